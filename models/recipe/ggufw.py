@@ -1,0 +1,148 @@
+"""Minimal GGUF v3 writer (numpy only) for the bundled models.
+
+Writes metadata key/values and tensors in F32, F16 or Q8_0. Only what the
+bundled tier models (llama layout) and the embedding model (bert layout) need;
+the format is documented in llama.cpp's `docs/gguf.md`.
+"""
+
+from __future__ import annotations
+
+import struct
+
+import numpy as np
+
+GGUF_MAGIC = b"GGUF"
+GGUF_VERSION = 3
+ALIGNMENT = 32
+
+# Value types.
+T_UINT8, T_INT8, T_UINT16, T_INT16, T_UINT32, T_INT32, T_FLOAT32, T_BOOL, T_STRING, T_ARRAY, T_UINT64, T_INT64, T_FLOAT64 = range(13)
+
+# ggml tensor types.
+GGML_F32 = 0
+GGML_F16 = 1
+GGML_Q8_0 = 8
+
+# llama_ftype values written to general.file_type.
+FTYPE_F32 = 0
+FTYPE_F16 = 1
+FTYPE_Q8_0 = 7
+
+QK8_0 = 32
+
+
+def quantize_q8_0(x: np.ndarray) -> np.ndarray:
+    """Quantize rows of `x` (last dim a multiple of 32) to Q8_0 bytes.
+
+    Same rounding as ggml's reference `quantize_row_q8_0_ref`: d = amax/127,
+    q = roundf(x / d) (round half away from zero), d stored as f16.
+    """
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    assert x.shape[-1] % QK8_0 == 0, x.shape
+    blocks = x.reshape(-1, QK8_0)
+    amax = np.abs(blocks).max(axis=1, keepdims=True)
+    d = amax / 127.0
+    with np.errstate(divide="ignore", invalid="ignore"):
+        inv = np.where(d > 0, 1.0 / d, 0.0)
+    v = blocks * inv
+    q = (np.sign(v) * np.floor(np.abs(v) + 0.5)).astype(np.int8)
+    out = np.empty((blocks.shape[0], 2 + QK8_0), dtype=np.uint8)
+    out[:, :2] = d.astype(np.float16).view(np.uint8).reshape(-1, 2)
+    out[:, 2:] = q.view(np.uint8)
+    return out.reshape(*x.shape[:-1], x.shape[-1] // QK8_0 * (2 + QK8_0))
+
+
+def dequantize_q8_0(b: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
+    """Inverse of `quantize_q8_0`, for checks and q8-rounded references."""
+    blocks = b.reshape(-1, 2 + QK8_0)
+    d = blocks[:, :2].copy().view(np.float16).astype(np.float32)
+    q = blocks[:, 2:].copy().view(np.int8).astype(np.float32)
+    return (q * d).reshape(shape)
+
+
+class GGUFWriter:
+    """Collects key/values and tensors, then writes one GGUF file."""
+
+    def __init__(self) -> None:
+        self.kv: list[tuple[str, int, object, int | None]] = []
+        self.tensors: list[tuple[str, tuple[int, ...], int, bytes]] = []
+
+    # --- metadata -----------------------------------------------------
+    def add(self, key: str, vtype: int, value, elem_type: int | None = None) -> None:
+        self.kv.append((key, vtype, value, elem_type))
+
+    def add_str(self, key: str, value: str) -> None:
+        self.add(key, T_STRING, value)
+
+    def add_u32(self, key: str, value: int) -> None:
+        self.add(key, T_UINT32, int(value))
+
+    def add_i32(self, key: str, value: int) -> None:
+        self.add(key, T_INT32, int(value))
+
+    def add_f32(self, key: str, value: float) -> None:
+        self.add(key, T_FLOAT32, float(value))
+
+    def add_bool(self, key: str, value: bool) -> None:
+        self.add(key, T_BOOL, bool(value))
+
+    def add_array(self, key: str, elem_type: int, values) -> None:
+        self.add(key, T_ARRAY, list(values), elem_type)
+
+    # --- tensors ------------------------------------------------------
+    def add_tensor(self, name: str, array: np.ndarray, ggml_type: int) -> None:
+        """Add a tensor given in numpy (row-major) shape; ggml's ne is reversed."""
+        shape = tuple(int(s) for s in array.shape)
+        if ggml_type == GGML_F32:
+            data = np.ascontiguousarray(array, dtype=np.float32).tobytes()
+        elif ggml_type == GGML_F16:
+            data = np.ascontiguousarray(array, dtype=np.float16).tobytes()
+        elif ggml_type == GGML_Q8_0:
+            data = quantize_q8_0(array).tobytes()
+        else:
+            raise ValueError(f"unsupported ggml type {ggml_type}")
+        self.tensors.append((name, shape, ggml_type, data))
+
+    # --- encoding -----------------------------------------------------
+    @staticmethod
+    def _str(s: str) -> bytes:
+        b = s.encode("utf-8")
+        return struct.pack("<Q", len(b)) + b
+
+    @classmethod
+    def _scalar(cls, vtype: int, v) -> bytes:
+        fmt = {
+            T_UINT8: "<B", T_INT8: "<b", T_UINT16: "<H", T_INT16: "<h",
+            T_UINT32: "<I", T_INT32: "<i", T_FLOAT32: "<f", T_BOOL: "<?",
+            T_UINT64: "<Q", T_INT64: "<q", T_FLOAT64: "<d",
+        }
+        if vtype == T_STRING:
+            return cls._str(v)
+        return struct.pack(fmt[vtype], v)
+
+    def write(self, path: str) -> None:
+        out = bytearray()
+        out += GGUF_MAGIC + struct.pack("<IQQ", GGUF_VERSION, len(self.tensors), len(self.kv))
+        for key, vtype, value, elem in self.kv:
+            out += self._str(key) + struct.pack("<I", vtype)
+            if vtype == T_ARRAY:
+                out += struct.pack("<IQ", elem, len(value))
+                for item in value:
+                    out += self._scalar(elem, item)
+            else:
+                out += self._scalar(vtype, value)
+        offset = 0
+        offsets = []
+        for name, shape, gtype, data in self.tensors:
+            offsets.append(offset)
+            ne = list(reversed(shape))
+            out += self._str(name) + struct.pack("<I", len(ne))
+            out += struct.pack(f"<{len(ne)}Q", *ne)
+            out += struct.pack("<IQ", gtype, offset)
+            offset += (len(data) + ALIGNMENT - 1) // ALIGNMENT * ALIGNMENT
+        out += b"\0" * ((-len(out)) % ALIGNMENT)
+        with open(path, "wb") as f:
+            f.write(out)
+            for (_, _, _, data), off in zip(self.tensors, offsets):
+                f.write(data)
+                f.write(b"\0" * ((-len(data)) % ALIGNMENT))

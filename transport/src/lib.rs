@@ -1,0 +1,1 @@
+//! mesh transport layer.
