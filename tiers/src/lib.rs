@@ -1,1 +1,41 @@
-//! tiers
+//! Model tiers for mesh.
+//!
+//! A tier is one GGUF model served by one llama.cpp context. The [`Engine`]
+//! owns that context on a dedicated OS thread (llama.cpp contexts are not
+//! `Send`) and runs a continuous-batching loop over it:
+//!
+//! ```text
+//!  submit() ──▶ queue ──admit (free seq id + KV cells)──▶ slots
+//!                                                          │
+//!  every step: one batch = decode tokens of running slots  │
+//!              + prompt chunks of prefilling slots ◀───────┘
+//!              ──▶ llama_decode ──▶ sample per slot ──▶ TokenEvent stream
+//! ```
+//!
+//! New requests join the running batch at the next step; long prompts are
+//! prefilled in fixed-size chunks so running decodes are never stalled for a
+//! whole prompt; a request whose receiver is dropped (client gone) is removed
+//! and its KV cells freed at the next step.
+//!
+//! Decision logic that needs no model lives in plain modules with unit tests:
+//! [`plan`] (what goes into the next batch), [`stop`] (stop strings),
+//! [`chat`] (prompt rendering and output parsing for the bundled chat format).
+//! [`actor`] wraps an engine in a supervised ractor actor.
+//!
+//! Caveat: llama.cpp's backend is process-global; [`backend`] initialises it
+//! once.
+
+pub mod actor;
+pub mod chat;
+mod config;
+mod engine;
+mod error;
+pub mod grammar;
+pub mod plan;
+mod request;
+pub mod stop;
+
+pub use config::{EngineConfig, KvType};
+pub use engine::{backend, Engine, EngineStats, ModelInfo};
+pub use error::TierError;
+pub use request::{FinishReason, GenerateRequest, SamplingParams, TokenEvent, Usage};

@@ -67,18 +67,27 @@ fn check_tier(tier: &str) {
     for (i, case) in fx.cases.iter().enumerate() {
         // The llama.cpp tokenizer must agree with SentencePiece on the prompt.
         let text = vocab.detokenize(
-            &case.prompt_ids[1..].iter().map(|&t| LlamaToken(t)).collect::<Vec<_>>(),
+            &case.prompt_ids[1..]
+                .iter()
+                .map(|&t| LlamaToken(t))
+                .collect::<Vec<_>>(),
             false,
             true,
         );
-        let ids: Vec<i32> = vocab.tokenize(&text, true, true).iter().map(|t| t.0).collect();
+        let ids: Vec<i32> = vocab
+            .tokenize(&text, true, true)
+            .iter()
+            .map(|t| t.0)
+            .collect();
         tok_same += usize::from(ids == case.prompt_ids);
 
         ctx.clear_kv_cache();
         batch.clear();
         let n = case.prompt_ids.len();
         for (p, &t) in case.prompt_ids.iter().enumerate() {
-            batch.add(LlamaToken(t), p as i32, &[0], p + 1 == n).unwrap();
+            batch
+                .add(LlamaToken(t), p as i32, &[0], p + 1 == n)
+                .unwrap();
         }
         ctx.decode(&mut batch).expect("prefill");
         let mut out = Vec::new();
@@ -100,7 +109,10 @@ fn check_tier(tier: &str) {
         if out == case.fp32 {
             same += 1;
         } else {
-            eprintln!("{tier} case {i} ({}) differs: llama {out:?} vs torch {:?}", case.kind, case.fp32);
+            eprintln!(
+                "{tier} case {i} ({}) differs: llama {out:?} vs torch {:?}",
+                case.kind, case.fp32
+            );
         }
         same_q8 += usize::from(out == case.q8);
     }
@@ -109,8 +121,14 @@ fn check_tier(tier: &str) {
         "{tier}: greedy equal to PyTorch fp32 on {same}/{total}, to q8-rounded PyTorch on {same_q8}/{total}, tokenizer equal on {tok_same}/{total}"
     );
     assert_eq!(total, 100);
-    assert_eq!(tok_same, total, "llama.cpp tokenizer disagrees with SentencePiece");
-    assert!(same >= 99, "{tier}: only {same}/{total} greedy continuations match PyTorch");
+    assert_eq!(
+        tok_same, total,
+        "llama.cpp tokenizer disagrees with SentencePiece"
+    );
+    assert!(
+        same >= 99,
+        "{tier}: only {same}/{total} greedy continuations match PyTorch"
+    );
 }
 
 fn argmax(v: &[f32]) -> i32 {
@@ -125,7 +143,10 @@ fn argmax(v: &[f32]) -> i32 {
 
 #[test]
 fn bundled_tiers_match_pytorch_greedy() {
-    for tier in std::env::var("MESH_TIERS").unwrap_or("t1,t2,t3".into()).split(",") {
+    for tier in std::env::var("MESH_TIERS")
+        .unwrap_or("t1,t2,t3".into())
+        .split(",")
+    {
         check_tier(tier.trim());
     }
 }

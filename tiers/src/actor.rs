@@ -1,0 +1,68 @@
+//! The tier actor: an [`Engine`] behind a ractor mailbox.
+//!
+//! The actor is the unit the node supervisor restarts: if the engine thread
+//! dies, the next message makes the actor fail, the supervisor sees
+//! `ActorFailed` and starts a fresh one from the same config. Requests that
+//! were running on the dead engine receive an error event and are retried by
+//! the gateway.
+
+use ractor::{Actor, ActorProcessingErr, ActorRef, RpcReplyPort};
+use tokio::sync::mpsc::UnboundedReceiver;
+
+use crate::{Engine, EngineConfig, GenerateRequest, ModelInfo, TierError, TokenEvent};
+
+/// Messages of [`TierActor`].
+#[derive(Debug)]
+pub enum TierMsg {
+    /// Start a generation; the reply carries the token stream.
+    Generate {
+        /// The request.
+        req: GenerateRequest,
+        /// Where the stream (or the refusal) goes.
+        reply: RpcReplyPort<Result<UnboundedReceiver<TokenEvent>, TierError>>,
+    },
+    /// Report model facts.
+    GetInfo(RpcReplyPort<ModelInfo>),
+}
+
+/// A supervised actor owning one engine.
+#[derive(Debug, Default, Clone, Copy)]
+pub struct TierActor;
+
+impl Actor for TierActor {
+    type Msg = TierMsg;
+    type State = Engine;
+    type Arguments = EngineConfig;
+
+    async fn pre_start(
+        &self,
+        _myself: ActorRef<TierMsg>,
+        cfg: EngineConfig,
+    ) -> Result<Engine, ActorProcessingErr> {
+        let engine = tokio::task::spawn_blocking(move || Engine::start(cfg)).await??;
+        Ok(engine)
+    }
+
+    async fn handle(
+        &self,
+        _myself: ActorRef<TierMsg>,
+        msg: TierMsg,
+        engine: &mut Engine,
+    ) -> Result<(), ActorProcessingErr> {
+        if !engine.is_running() {
+            if let TierMsg::Generate { reply, .. } = msg {
+                let _ = reply.send(Err(TierError::EngineStopped));
+            }
+            return Err(format!("engine {} stopped", engine.info().name).into());
+        }
+        match msg {
+            TierMsg::Generate { req, reply } => {
+                let _ = reply.send(engine.submit(req));
+            }
+            TierMsg::GetInfo(reply) => {
+                let _ = reply.send(engine.info().clone());
+            }
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,89 @@
+use std::path::PathBuf;
+
+use serde::{Deserialize, Serialize};
+
+use crate::TierError;
+
+/// Data type of the KV cache.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(rename_all = "snake_case")]
+pub enum KvType {
+    /// 16-bit floats (llama.cpp's default).
+    #[default]
+    F16,
+    /// 8-bit blocks: half the memory of f16, forces flash attention.
+    Q8_0,
+    /// 4-bit blocks: a quarter of the memory of f16, forces flash attention.
+    Q4_0,
+}
+
+/// Configuration of one engine (one model, one context).
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct EngineConfig {
+    /// Model id reported by the API (e.g. `t1`).
+    pub name: String,
+    /// GGUF file.
+    pub model: PathBuf,
+    /// Total KV cells shared by all sequences (unified cache). Memory: cells x bytes per token
+    /// (about 1 KiB per token for the bundled t1, 9 KiB for t3 at f16).
+    pub n_ctx: u32,
+    /// Longest sequence (prompt + completion); 0 = the model's training context, capped by `n_ctx`.
+    pub max_seq_len: u32,
+    /// Sequences decoded together. Each costs a sampler and a little bookkeeping; KV is shared.
+    pub n_seq_max: u32,
+    /// Most tokens submitted to llama.cpp in one step (decode tokens + prompt chunks).
+    pub n_batch: u32,
+    /// Prompt tokens prefilled per sequence per step. Smaller keeps inter-token latency of running
+    /// sequences low while a long prompt is prefilled; larger prefills faster.
+    pub prefill_chunk: u32,
+    /// Threads for llama.cpp; on a busy machine fewer threads are often faster.
+    pub threads: i32,
+    /// Requests waiting for a slot before new ones are refused with `Overloaded`.
+    pub max_queue: usize,
+    /// KV cache data type.
+    pub kv_type: KvType,
+}
+
+impl Default for EngineConfig {
+    fn default() -> Self {
+        Self {
+            name: "t1".into(),
+            model: PathBuf::from("models/t1-q8_0.gguf"),
+            n_ctx: 8192,
+            max_seq_len: 0,
+            n_seq_max: 8,
+            n_batch: 512,
+            prefill_chunk: 256,
+            threads: 1,
+            max_queue: 64,
+            kv_type: KvType::F16,
+        }
+    }
+}
+
+impl EngineConfig {
+    /// Checks values that llama.cpp would otherwise reject late or abort on.
+    pub fn validate(&self) -> Result<(), TierError> {
+        let bad = |m: &str| Err(TierError::Config(format!("{}: {m}", self.name)));
+        if self.name.is_empty() {
+            return bad("name must not be empty");
+        }
+        if self.n_seq_max == 0 || self.n_seq_max > 256 {
+            return bad("n_seq_max must be in 1..=256");
+        }
+        if self.prefill_chunk == 0 {
+            return bad("prefill_chunk must be at least 1");
+        }
+        if self.n_batch < self.n_seq_max + self.prefill_chunk {
+            return bad("n_batch must be at least n_seq_max + prefill_chunk (every running sequence decodes and one prompt chunk fits each step)");
+        }
+        if self.n_ctx < 64 {
+            return bad("n_ctx must be at least 64");
+        }
+        if self.threads < 1 {
+            return bad("threads must be at least 1");
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,647 @@
+use std::collections::VecDeque;
+use std::num::NonZeroU32;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::mpsc as std_mpsc;
+use std::sync::{Arc, OnceLock};
+use std::thread::JoinHandle;
+use std::time::Instant;
+
+use llama_cpp_2::context::params::{KvCacheType, LlamaContextParams};
+use llama_cpp_2::context::LlamaContext;
+use llama_cpp_2::llama_backend::LlamaBackend;
+use llama_cpp_2::llama_batch::LlamaBatch;
+use llama_cpp_2::model::params::LlamaModelParams;
+use llama_cpp_2::model::LlamaModel;
+use llama_cpp_2::sampling::LlamaSampler;
+use llama_cpp_2::token::LlamaToken;
+use tokio::sync::mpsc;
+use tracing::{debug, warn};
+
+use crate::plan::{self, SlotView, Work};
+use crate::stop::StopMatcher;
+use crate::{EngineConfig, FinishReason, GenerateRequest, KvType, TierError, TokenEvent, Usage};
+
+/// The process-wide llama.cpp backend (initialised on first use, logs silenced unless
+/// `MESH_LLAMA_LOGS=1`).
+pub fn backend() -> &'static LlamaBackend {
+    static BACKEND: OnceLock<LlamaBackend> = OnceLock::new();
+    BACKEND.get_or_init(|| {
+        let mut b = LlamaBackend::init().expect("llama.cpp backend initialises once per process");
+        if std::env::var("MESH_LLAMA_LOGS").as_deref() != Ok("1") {
+            b.void_logs();
+        }
+        b
+    })
+}
+
+/// Counters an engine keeps; read by metrics and the router.
+#[derive(Debug, Default)]
+pub struct EngineStats {
+    /// Sequences holding a slot.
+    pub active: AtomicUsize,
+    /// Requests waiting for a slot.
+    pub queued: AtomicUsize,
+    /// KV cells reserved by active sequences.
+    pub reserved_cells: AtomicUsize,
+    /// Prompt tokens prefilled.
+    pub prompt_tokens: AtomicU64,
+    /// Tokens generated.
+    pub generated_tokens: AtomicU64,
+    /// llama_decode calls.
+    pub steps: AtomicU64,
+    /// Requests dropped because their receiver went away.
+    pub cancelled: AtomicU64,
+}
+
+/// What a loaded model is.
+#[derive(Debug, Clone)]
+pub struct ModelInfo {
+    /// Model id (config name).
+    pub name: String,
+    /// Parameter count.
+    pub n_params: u64,
+    /// Training context.
+    pub n_ctx_train: u32,
+    /// Per-sequence limit in effect.
+    pub max_seq_len: usize,
+    /// Total KV cells.
+    pub n_ctx: usize,
+    /// Concurrent sequences.
+    pub n_seq_max: usize,
+    /// File size in bytes.
+    pub size_bytes: u64,
+}
+
+enum Command {
+    Submit(Box<Pending>),
+    Shutdown,
+}
+
+struct Pending {
+    req: GenerateRequest,
+    reserve: usize,
+    events: mpsc::UnboundedSender<TokenEvent>,
+    queued_at: Instant,
+}
+
+/// One model on one llama.cpp context, driven by a continuous-batching loop on its own thread.
+///
+/// Dropping the engine stops the loop after the current step; requests still running get an
+/// error event.
+pub struct Engine {
+    cfg: EngineConfig,
+    model: Arc<LlamaModel>,
+    info: ModelInfo,
+    stats: Arc<EngineStats>,
+    tx: std_mpsc::Sender<Command>,
+    thread: Option<JoinHandle<()>>,
+}
+
+impl Engine {
+    /// Loads the model and starts the engine thread. Blocks until the context exists.
+    pub fn start(cfg: EngineConfig) -> Result<Self, TierError> {
+        cfg.validate()?;
+        let path = cfg.model.display().to_string();
+        if !cfg.model.exists() {
+            return Err(TierError::ModelLoad {
+                path,
+                reason: "file not found".into(),
+            });
+        }
+        let model = LlamaModel::load_from_file(backend(), &cfg.model, &LlamaModelParams::default())
+            .map_err(|e| TierError::ModelLoad {
+                path: path.clone(),
+                reason: e.to_string(),
+            })?;
+        let model = Arc::new(model);
+        let n_ctx_train = model.n_ctx_train();
+        let max_seq_len = match cfg.max_seq_len {
+            0 => n_ctx_train.min(cfg.n_ctx),
+            n => n.min(cfg.n_ctx),
+        } as usize;
+        let info = ModelInfo {
+            name: cfg.name.clone(),
+            n_params: model.n_params(),
+            n_ctx_train,
+            max_seq_len,
+            n_ctx: cfg.n_ctx as usize,
+            n_seq_max: cfg.n_seq_max as usize,
+            size_bytes: std::fs::metadata(&cfg.model).map(|m| m.len()).unwrap_or(0),
+        };
+        let stats = Arc::new(EngineStats::default());
+        let (tx, rx) = std_mpsc::channel();
+        let (ready_tx, ready_rx) = std_mpsc::channel();
+        let thread = {
+            let (model, cfg, stats, info) =
+                (model.clone(), cfg.clone(), stats.clone(), info.clone());
+            std::thread::Builder::new()
+                .name(format!("engine-{}", cfg.name))
+                .spawn(move || {
+                    let ctx = match new_context(&model, &cfg) {
+                        Ok(c) => c,
+                        Err(e) => {
+                            let _ = ready_tx.send(Err(e));
+                            return;
+                        }
+                    };
+                    let _ = ready_tx.send(Ok(()));
+                    Loop::new(&model, ctx, &cfg, &info, stats).run(rx);
+                })
+                .map_err(|e| TierError::Context(e.to_string()))?
+        };
+        ready_rx.recv().map_err(|_| TierError::EngineStopped)??;
+        Ok(Self {
+            cfg,
+            model,
+            info,
+            stats,
+            tx,
+            thread: Some(thread),
+        })
+    }
+
+    /// Queues a request; tokens arrive on the returned receiver. Dropping the receiver cancels
+    /// the request and frees its sequence at the next step.
+    pub fn submit(
+        &self,
+        req: GenerateRequest,
+    ) -> Result<mpsc::UnboundedReceiver<TokenEvent>, TierError> {
+        if req.prompt.is_empty() {
+            return Err(TierError::InvalidRequest("empty prompt".into()));
+        }
+        let n_vocab = self.model.n_vocab();
+        if let Some(bad) = req.prompt.iter().find(|&&t| t < 0 || t >= n_vocab) {
+            return Err(TierError::InvalidRequest(format!(
+                "token id {bad} outside the vocabulary"
+            )));
+        }
+        if req.prompt.len() >= self.info.max_seq_len {
+            return Err(TierError::ContextExceeded {
+                prompt: req.prompt.len(),
+                max_tokens: req.max_tokens,
+                limit: self.info.max_seq_len,
+            });
+        }
+        let s = &req.sampling;
+        if !(0.0..=100.0).contains(&s.temperature) || !(0.0..=1.0).contains(&s.top_p) || s.top_k < 0
+        {
+            return Err(TierError::InvalidRequest(
+                "temperature, top_p or top_k out of range".into(),
+            ));
+        }
+        let queued = self.stats.queued.load(Ordering::Relaxed);
+        if queued >= self.cfg.max_queue {
+            return Err(TierError::Overloaded(queued));
+        }
+        let reserve = plan::reservation(
+            req.prompt.len(),
+            req.max_tokens.max(1),
+            self.info.max_seq_len,
+        );
+        let (events, rx) = mpsc::unbounded_channel();
+        self.stats.queued.fetch_add(1, Ordering::Relaxed);
+        let pending = Pending {
+            req,
+            reserve,
+            events,
+            queued_at: Instant::now(),
+        };
+        if self.tx.send(Command::Submit(Box::new(pending))).is_err() {
+            self.stats.queued.fetch_sub(1, Ordering::Relaxed);
+            return Err(TierError::EngineStopped);
+        }
+        Ok(rx)
+    }
+
+    /// Tokenizes text, parsing special tokens (chat markers) and adding BOS when the model wants it.
+    pub fn tokenize(&self, text: &str) -> Vec<i32> {
+        self.model
+            .vocab()
+            .tokenize(text.as_bytes(), true, true)
+            .iter()
+            .map(|t| t.0)
+            .collect()
+    }
+
+    /// Text of tokens, special tokens rendered.
+    pub fn detokenize(&self, tokens: &[i32]) -> String {
+        let toks: Vec<LlamaToken> = tokens.iter().map(|&t| LlamaToken(t)).collect();
+        String::from_utf8_lossy(&self.model.vocab().detokenize(&toks, false, true)).into_owned()
+    }
+
+    /// Whether the token ends generation.
+    pub fn is_eog(&self, token: i32) -> bool {
+        self.model.vocab().is_eog(LlamaToken(token))
+    }
+
+    /// Model facts.
+    pub fn info(&self) -> &ModelInfo {
+        &self.info
+    }
+
+    /// Live counters.
+    pub fn stats(&self) -> &Arc<EngineStats> {
+        &self.stats
+    }
+
+    /// The configuration this engine runs with.
+    pub fn config(&self) -> &EngineConfig {
+        &self.cfg
+    }
+
+    /// Whether the engine thread is still running.
+    pub fn is_running(&self) -> bool {
+        self.thread.as_ref().is_some_and(|t| !t.is_finished())
+    }
+}
+
+impl Drop for Engine {
+    fn drop(&mut self) {
+        let _ = self.tx.send(Command::Shutdown);
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+fn new_context<'m>(
+    model: &'m LlamaModel,
+    cfg: &EngineConfig,
+) -> Result<LlamaContext<'m>, TierError> {
+    let kv = match cfg.kv_type {
+        KvType::F16 => KvCacheType::F16,
+        KvType::Q8_0 => KvCacheType::Q8_0,
+        KvType::Q4_0 => KvCacheType::Q4_0,
+    };
+    let params = LlamaContextParams::default()
+        .with_n_ctx(NonZeroU32::new(cfg.n_ctx))
+        .with_n_batch(cfg.n_batch)
+        .with_n_ubatch(cfg.n_batch)
+        .with_n_seq_max(cfg.n_seq_max)
+        .with_kv_unified(true)
+        .with_n_threads(cfg.threads)
+        .with_n_threads_batch(cfg.threads)
+        .with_type_k(kv)
+        .with_type_v(kv);
+    model
+        .new_context(backend(), params)
+        .map_err(|e| TierError::Context(e.to_string()))
+}
+
+struct Slot {
+    req: GenerateRequest,
+    events: mpsc::UnboundedSender<TokenEvent>,
+    sampler: LlamaSampler,
+    stop: StopMatcher,
+    age: u64,
+    reserve: usize,
+    prefilled: usize,
+    pending: Option<LlamaToken>,
+    generated: usize,
+    utf8: Vec<u8>,
+}
+
+struct Loop<'m> {
+    model: &'m LlamaModel,
+    ctx: LlamaContext<'m>,
+    cfg: EngineConfig,
+    max_seq_len: usize,
+    n_ctx: usize,
+    stats: Arc<EngineStats>,
+    slots: Vec<Option<Slot>>,
+    waiting: VecDeque<Pending>,
+    reserved: usize,
+    next_age: u64,
+    batch: LlamaBatch<'static>,
+}
+
+impl<'m> Loop<'m> {
+    fn new(
+        model: &'m LlamaModel,
+        ctx: LlamaContext<'m>,
+        cfg: &EngineConfig,
+        info: &ModelInfo,
+        stats: Arc<EngineStats>,
+    ) -> Self {
+        Self {
+            model,
+            ctx,
+            cfg: cfg.clone(),
+            max_seq_len: info.max_seq_len,
+            n_ctx: info.n_ctx,
+            stats,
+            slots: (0..cfg.n_seq_max).map(|_| None).collect(),
+            waiting: VecDeque::new(),
+            reserved: 0,
+            next_age: 0,
+            batch: LlamaBatch::new(cfg.n_batch as usize, 1),
+        }
+    }
+
+    fn run(mut self, rx: std_mpsc::Receiver<Command>) {
+        loop {
+            let idle = self.waiting.is_empty() && self.slots.iter().all(Option::is_none);
+            if idle {
+                match rx.recv() {
+                    Ok(Command::Submit(p)) => self.waiting.push_back(*p),
+                    Ok(Command::Shutdown) | Err(_) => break,
+                }
+            }
+            let mut shutdown = false;
+            while let Ok(cmd) = rx.try_recv() {
+                match cmd {
+                    Command::Submit(p) => self.waiting.push_back(*p),
+                    Command::Shutdown => shutdown = true,
+                }
+            }
+            if shutdown {
+                break;
+            }
+            self.drop_cancelled();
+            self.admit();
+            self.step();
+        }
+        for i in 0..self.slots.len() {
+            if let Some(s) = self.slots[i].take() {
+                let _ = s.events.send(TokenEvent::Error("engine stopped".into()));
+            }
+        }
+        for p in self.waiting.drain(..) {
+            let _ = p.events.send(TokenEvent::Error("engine stopped".into()));
+        }
+    }
+
+    fn drop_cancelled(&mut self) {
+        let before = self.waiting.len();
+        self.waiting.retain(|p| !p.events.is_closed());
+        let gone = before - self.waiting.len();
+        if gone > 0 {
+            self.stats.queued.fetch_sub(gone, Ordering::Relaxed);
+            self.stats
+                .cancelled
+                .fetch_add(gone as u64, Ordering::Relaxed);
+        }
+        for i in 0..self.slots.len() {
+            if self.slots[i].as_ref().is_some_and(|s| s.events.is_closed()) {
+                debug!(slot = i, "client went away; freeing sequence");
+                self.stats.cancelled.fetch_add(1, Ordering::Relaxed);
+                let _ = self.free(i);
+            }
+        }
+    }
+
+    fn admit(&mut self) {
+        while let Some(p) = self.waiting.front() {
+            let Some(seq) = self.slots.iter().position(Option::is_none) else {
+                break;
+            };
+            if self.reserved + p.reserve > self.n_ctx {
+                break;
+            }
+            let p = self.waiting.pop_front().expect("front exists");
+            self.stats.queued.fetch_sub(1, Ordering::Relaxed);
+            let sampler = match self.sampler(&p.req) {
+                Ok(s) => s,
+                Err(e) => {
+                    let _ = p.events.send(TokenEvent::Error(e.to_string()));
+                    continue;
+                }
+            };
+            let queued_ms = p.queued_at.elapsed().as_millis() as u64;
+            let _ = p.events.send(TokenEvent::Started { queued_ms });
+            self.reserved += p.reserve;
+            self.stats
+                .reserved_cells
+                .fetch_add(p.reserve, Ordering::Relaxed);
+            self.stats.active.fetch_add(1, Ordering::Relaxed);
+            let stop = StopMatcher::new(&p.req.stop);
+            self.slots[seq] = Some(Slot {
+                req: p.req,
+                events: p.events,
+                sampler,
+                stop,
+                age: self.next_age,
+                reserve: p.reserve,
+                prefilled: 0,
+                pending: None,
+                generated: 0,
+                utf8: Vec::new(),
+            });
+            self.next_age += 1;
+        }
+    }
+
+    fn sampler(&self, req: &GenerateRequest) -> Result<LlamaSampler, TierError> {
+        let s = &req.sampling;
+        let mut chain = Vec::new();
+        if let Some(g) = &req.grammar {
+            let grammar = match &req.grammar_trigger {
+                Some(trigger) => {
+                    let ids = self.model.vocab().tokenize(trigger.as_bytes(), false, true);
+                    if ids.len() == 1 {
+                        LlamaSampler::grammar_lazy(self.model, g, "root", Vec::<&[u8]>::new(), &ids)
+                    } else {
+                        LlamaSampler::grammar_lazy(self.model, g, "root", [trigger.as_bytes()], &[])
+                    }
+                }
+                None => LlamaSampler::grammar(self.model, g, "root"),
+            };
+            chain.push(grammar.map_err(|e| TierError::InvalidRequest(format!("grammar: {e}")))?);
+        }
+        if s.temperature <= 0.0 {
+            chain.push(LlamaSampler::greedy());
+        } else {
+            if s.top_k > 0 {
+                chain.push(LlamaSampler::top_k(s.top_k));
+            }
+            if s.top_p < 1.0 {
+                chain.push(LlamaSampler::top_p(s.top_p, 1));
+            }
+            chain.push(LlamaSampler::temp(s.temperature));
+            chain.push(LlamaSampler::dist(s.seed));
+        }
+        Ok(LlamaSampler::chain_simple(chain))
+    }
+
+    /// Removes a slot and releases its KV cells; returns it so the caller can still report.
+    fn free(&mut self, i: usize) -> Option<Slot> {
+        let s = self.slots[i].take()?;
+        let _ = self.ctx.clear_kv_cache_seq(Some(i as u32), None, None);
+        self.reserved -= s.reserve;
+        self.stats
+            .reserved_cells
+            .fetch_sub(s.reserve, Ordering::Relaxed);
+        self.stats.active.fetch_sub(1, Ordering::Relaxed);
+        Some(s)
+    }
+
+    fn step(&mut self) {
+        let views: Vec<SlotView> = self
+            .slots
+            .iter()
+            .enumerate()
+            .filter_map(|(i, s)| {
+                s.as_ref().map(|s| SlotView {
+                    slot: i,
+                    age: s.age,
+                    prefilled: s.prefilled,
+                    prompt_len: s.req.prompt.len(),
+                    decoding: s.pending.is_some(),
+                })
+            })
+            .collect();
+        let work = plan::plan_step(
+            &views,
+            self.cfg.n_batch as usize,
+            self.cfg.prefill_chunk as usize,
+        );
+        if work.is_empty() {
+            return;
+        }
+        self.batch.clear();
+        let mut rows: Vec<(usize, i32)> = Vec::new();
+        let mut prompt_tokens = 0u64;
+        for w in &work {
+            match *w {
+                Work::Decode { slot } => {
+                    let s = self.slots[slot].as_mut().expect("planned slot exists");
+                    let pos = (s.req.prompt.len() + s.generated - 1) as i32;
+                    let tok = s.pending.take().expect("decoding slot has a token");
+                    let row = self.batch.n_tokens();
+                    self.batch
+                        .add(tok, pos, &[slot as i32], true)
+                        .expect("batch sized for plan");
+                    rows.push((slot, row));
+                }
+                Work::Prefill {
+                    slot,
+                    start,
+                    len,
+                    last,
+                } => {
+                    let s = self.slots[slot].as_mut().expect("planned slot exists");
+                    for p in start..start + len {
+                        let logits = last && p + 1 == start + len;
+                        let row = self.batch.n_tokens();
+                        self.batch
+                            .add(
+                                LlamaToken(s.req.prompt[p]),
+                                p as i32,
+                                &[slot as i32],
+                                logits,
+                            )
+                            .expect("batch sized for plan");
+                        if logits {
+                            rows.push((slot, row));
+                        }
+                    }
+                    s.prefilled += len;
+                    prompt_tokens += len as u64;
+                }
+            }
+        }
+        self.stats.steps.fetch_add(1, Ordering::Relaxed);
+        self.stats
+            .prompt_tokens
+            .fetch_add(prompt_tokens, Ordering::Relaxed);
+        if let Err(e) = self.ctx.decode(&mut self.batch) {
+            warn!(error = %e, "decode failed; failing the sequences of this batch");
+            let mut failed: Vec<usize> = work
+                .iter()
+                .map(|w| match *w {
+                    Work::Decode { slot } | Work::Prefill { slot, .. } => slot,
+                })
+                .collect();
+            failed.dedup();
+            for slot in failed {
+                if let Some(s) = self.free(slot) {
+                    let _ = s
+                        .events
+                        .send(TokenEvent::Error(format!("decode failed: {e}")));
+                }
+            }
+            return;
+        }
+        for (slot, row) in rows {
+            self.sample(slot, row);
+        }
+    }
+
+    fn sample(&mut self, slot: usize, row: i32) {
+        let margin = top2_margin(self.ctx.get_logits_ith(row));
+        let model = self.model;
+        let s = self.slots[slot].as_mut().expect("sampled slot exists");
+        let tok = s.sampler.sample(&self.ctx, row);
+        s.generated += 1;
+        self.stats.generated_tokens.fetch_add(1, Ordering::Relaxed);
+        let eog = model.vocab().is_eog(tok);
+        let mut text = String::new();
+        let mut stopped = false;
+        if !eog {
+            s.utf8.extend(model.vocab().token_to_piece(tok, true, None));
+            let valid = match std::str::from_utf8(&s.utf8) {
+                Ok(t) => t.len(),
+                Err(e) if e.error_len().is_none() => e.valid_up_to(),
+                Err(_) => s.utf8.len(), // invalid bytes: release them lossily
+            };
+            let piece: Vec<u8> = s.utf8.drain(..valid).collect();
+            let fed = s.stop.feed(&String::from_utf8_lossy(&piece));
+            text = fed.release;
+            stopped = fed.stopped;
+        }
+        let _ = s.events.send(TokenEvent::Token {
+            id: tok.0,
+            text,
+            margin,
+        });
+        let total = s.req.prompt.len() + s.generated;
+        let finish = if eog || stopped {
+            Some(FinishReason::Stop)
+        } else if s.generated >= s.req.max_tokens {
+            Some(FinishReason::Length)
+        } else if total >= self.max_seq_len {
+            Some(FinishReason::ContextFull)
+        } else {
+            None
+        };
+        match finish {
+            Some(finish) => {
+                let tail = if stopped {
+                    String::new()
+                } else {
+                    s.stop.flush() + &String::from_utf8_lossy(&std::mem::take(&mut s.utf8))
+                };
+                let usage = Usage {
+                    prompt_tokens: s.req.prompt.len(),
+                    completion_tokens: s.generated,
+                };
+                // Free before reporting, so a caller that sees Done also sees the slot free.
+                let s = self.free(slot).expect("slot exists");
+                let _ = s.events.send(TokenEvent::Done {
+                    finish,
+                    usage,
+                    tail,
+                });
+            }
+            None => s.pending = Some(tok),
+        }
+    }
+}
+
+/// Difference between the two largest logits (= their log-probability gap).
+fn top2_margin(logits: &[f32]) -> f32 {
+    let (mut a, mut b) = (f32::NEG_INFINITY, f32::NEG_INFINITY);
+    for &x in logits {
+        if x > a {
+            b = a;
+            a = x;
+        } else if x > b {
+            b = x;
+        }
+    }
+    if b.is_finite() {
+        a - b
+    } else {
+        f32::INFINITY
+    }
+}

@@ -1,0 +1,98 @@
+use serde::{Deserialize, Serialize};
+
+/// How tokens are chosen.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct SamplingParams {
+    /// 0 = greedy.
+    pub temperature: f32,
+    /// Nucleus sampling mass (1.0 = off).
+    pub top_p: f32,
+    /// Keep the k most likely tokens (0 = off).
+    pub top_k: i32,
+    /// Seed for the random sampler; the same seed and inputs give the same tokens.
+    pub seed: u32,
+}
+
+impl Default for SamplingParams {
+    fn default() -> Self {
+        Self {
+            temperature: 0.0,
+            top_p: 1.0,
+            top_k: 0,
+            seed: 0,
+        }
+    }
+}
+
+/// One generation request, already tokenized.
+#[derive(Debug, Clone, Default)]
+pub struct GenerateRequest {
+    /// Prompt tokens, including BOS when the model wants it.
+    pub prompt: Vec<i32>,
+    /// Completion budget.
+    pub max_tokens: usize,
+    /// Sampling parameters.
+    pub sampling: SamplingParams,
+    /// Generation stops when the output contains any of these; the stop string is not returned.
+    pub stop: Vec<String>,
+    /// GBNF grammar applied lazily from the first `grammar_trigger` token on.
+    pub grammar: Option<String>,
+    /// Token text that switches the lazy grammar on (e.g. `<tool_call>`).
+    pub grammar_trigger: Option<String>,
+    /// Trace/log label for this request.
+    pub request_id: String,
+}
+
+/// Why a generation ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum FinishReason {
+    /// End-of-generation token or a stop string.
+    Stop,
+    /// `max_tokens` reached.
+    Length,
+    /// The sequence reached the context limit.
+    ContextFull,
+}
+
+/// Token counts of one request.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Usage {
+    /// Prompt tokens.
+    pub prompt_tokens: usize,
+    /// Generated tokens.
+    pub completion_tokens: usize,
+}
+
+/// What the engine streams back for one request.
+#[derive(Debug, Clone, PartialEq)]
+pub enum TokenEvent {
+    /// The request got a sequence slot and prefill started.
+    Started {
+        /// Milliseconds spent waiting in the queue.
+        queued_ms: u64,
+    },
+    /// One generated token. `text` is the UTF-8 text completed by this token (may be empty
+    /// while a multi-byte character is incomplete, or held back while it may begin a stop string).
+    Token {
+        /// Token id.
+        id: i32,
+        /// Text released by this token.
+        text: String,
+        /// Log-probability gap between the chosen token and the runner-up (greedy confidence).
+        margin: f32,
+    },
+    /// Generation finished.
+    Done {
+        /// Why it stopped.
+        finish: FinishReason,
+        /// Token counts.
+        usage: Usage,
+        /// Text released only at the end (a held-back stop-string prefix, or bytes of an
+        /// incomplete UTF-8 character).
+        tail: String,
+    },
+    /// Generation failed.
+    Error(String),
+}

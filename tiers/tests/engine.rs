@@ -1,0 +1,276 @@
+//! Engine behaviour on the bundled t1 model: determinism, batching equivalence,
+//! cancellation, limits and grammar-constrained tool calls.
+
+use std::time::Duration;
+
+use mesh_tiers::chat::{self, ToolSpec};
+use mesh_tiers::grammar::tool_call_grammar;
+use mesh_tiers::{
+    Engine, EngineConfig, FinishReason, GenerateRequest, SamplingParams, TierError, TokenEvent,
+};
+use serde::Deserialize;
+
+fn model(name: &str) -> std::path::PathBuf {
+    std::path::PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/../models")).join(name)
+}
+
+fn engine(n_seq_max: u32, max_queue: usize) -> Engine {
+    Engine::start(EngineConfig {
+        name: "t1".into(),
+        model: model("t1-q8_0.gguf"),
+        n_ctx: 8192,
+        n_seq_max,
+        n_batch: 512,
+        prefill_chunk: 128,
+        threads: 2,
+        max_queue,
+        ..EngineConfig::default()
+    })
+    .expect("engine starts")
+}
+
+#[derive(Deserialize)]
+struct Case {
+    kind: String,
+    prompt_ids: Vec<i32>,
+}
+
+#[derive(Deserialize)]
+struct Fixture {
+    cases: Vec<Case>,
+}
+
+fn prompts(kind: &str, n: usize) -> Vec<Vec<i32>> {
+    let fx: Fixture =
+        serde_json::from_slice(&std::fs::read(model("fixtures/greedy-t1.json")).unwrap()).unwrap();
+    fx.cases
+        .into_iter()
+        .filter(|c| c.kind == kind)
+        .take(n)
+        .map(|c| c.prompt_ids)
+        .collect()
+}
+
+fn req(prompt: Vec<i32>, max_tokens: usize) -> GenerateRequest {
+    GenerateRequest {
+        prompt,
+        max_tokens,
+        ..Default::default()
+    }
+}
+
+struct Outcome {
+    tokens: Vec<i32>,
+    text: String,
+    finish: Option<FinishReason>,
+    error: Option<String>,
+}
+
+async fn collect(mut rx: tokio::sync::mpsc::UnboundedReceiver<TokenEvent>) -> Outcome {
+    let mut o = Outcome {
+        tokens: vec![],
+        text: String::new(),
+        finish: None,
+        error: None,
+    };
+    while let Some(ev) = tokio::time::timeout(Duration::from_secs(120), rx.recv())
+        .await
+        .expect("no stall")
+    {
+        match ev {
+            TokenEvent::Started { .. } => {}
+            TokenEvent::Token { id, text, .. } => {
+                o.tokens.push(id);
+                o.text.push_str(&text);
+            }
+            TokenEvent::Done { finish, tail, .. } => {
+                o.text.push_str(&tail);
+                o.finish = Some(finish);
+                break;
+            }
+            TokenEvent::Error(e) => {
+                o.error = Some(e);
+                break;
+            }
+        }
+    }
+    o
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn engine_behaviour() {
+    let e = engine(8, 64);
+
+    // Greedy is deterministic.
+    let p = prompts("call", 1).remove(0);
+    let a = collect(e.submit(req(p.clone(), 64)).unwrap()).await;
+    let b = collect(e.submit(req(p.clone(), 64)).unwrap()).await;
+    assert_eq!(a.tokens, b.tokens);
+    assert_eq!(
+        a.finish,
+        Some(FinishReason::Stop),
+        "t1 ends a call turn with <|end|>"
+    );
+    assert!(
+        a.text.contains("<tool_call>"),
+        "t1 answers a call prompt with a call: {}",
+        a.text
+    );
+
+    // Eight sequences batched together give the same tokens as each alone.
+    let eight: Vec<Vec<i32>> = prompts("call", 4)
+        .into_iter()
+        .chain(prompts("hard", 4))
+        .collect();
+    assert_eq!(eight.len(), 8);
+    let mut alone = Vec::new();
+    for p in &eight {
+        alone.push(collect(e.submit(req(p.clone(), 48)).unwrap()).await.tokens);
+    }
+    let rxs: Vec<_> = eight
+        .iter()
+        .map(|p| e.submit(req(p.clone(), 48)).unwrap())
+        .collect();
+    let mut together = Vec::new();
+    for rx in rxs {
+        together.push(collect(rx).await.tokens);
+    }
+    assert!(e.stats().steps.load(std::sync::atomic::Ordering::Relaxed) > 0);
+    assert_eq!(alone, together, "batched decoding changed the output");
+
+    // max_tokens ends with Length, stop strings end early and are not returned.
+    let short = collect(e.submit(req(p.clone(), 3)).unwrap()).await;
+    assert_eq!(short.tokens.len(), 3);
+    assert_eq!(short.finish, Some(FinishReason::Length));
+    let mut r = req(p.clone(), 64);
+    r.stop = vec!["arguments".into()];
+    let stopped = collect(e.submit(r).unwrap()).await;
+    assert_eq!(stopped.finish, Some(FinishReason::Stop));
+    assert!(!stopped.text.contains("arguments") && a.text.starts_with(&stopped.text));
+    assert!(stopped.tokens.len() < a.tokens.len());
+
+    // Seeded sampling is reproducible.
+    let mut r = req(p.clone(), 24);
+    r.sampling = SamplingParams {
+        temperature: 1.5,
+        top_p: 0.95,
+        top_k: 40,
+        seed: 7,
+    };
+    let s1 = collect(e.submit(r.clone()).unwrap()).await;
+    let s2 = collect(e.submit(r).unwrap()).await;
+    assert_eq!(s1.tokens, s2.tokens);
+
+    // Limits.
+    let too_long = vec![1; 5000];
+    assert!(matches!(
+        e.submit(req(too_long, 10)),
+        Err(TierError::ContextExceeded { .. })
+    ));
+    assert!(matches!(
+        e.submit(req(vec![], 10)),
+        Err(TierError::InvalidRequest(_))
+    ));
+    assert!(matches!(
+        e.submit(req(vec![1, 999_999], 10)),
+        Err(TierError::InvalidRequest(_))
+    ));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cancellation_frees_the_slot() {
+    let e = engine(1, 4);
+    let p = prompts("call", 1).remove(0);
+    let mut rx = e.submit(req(p.clone(), 200)).unwrap();
+    // Wait for the first token, then go away.
+    loop {
+        match rx.recv().await.unwrap() {
+            TokenEvent::Token { .. } => break,
+            TokenEvent::Started { .. } => {}
+            other => panic!("unexpected {other:?}"),
+        }
+    }
+    drop(rx);
+    // The only slot must come free: a second request completes.
+    let o = collect(e.submit(req(p, 64)).unwrap()).await;
+    assert_eq!(o.finish, Some(FinishReason::Stop));
+    let st = e.stats();
+    assert_eq!(st.cancelled.load(std::sync::atomic::Ordering::Relaxed), 1);
+    assert_eq!(st.active.load(std::sync::atomic::Ordering::Relaxed), 0);
+    assert_eq!(
+        st.reserved_cells.load(std::sync::atomic::Ordering::Relaxed),
+        0
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn queue_limit_refuses_with_overloaded() {
+    let e = engine(1, 1);
+    let p = prompts("call", 1).remove(0);
+    let _running = e.submit(req(p.clone(), 64)).unwrap();
+    // Give the engine a moment to admit the first request into its only slot.
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let _queued = e.submit(req(p.clone(), 64)).unwrap();
+    assert!(matches!(
+        e.submit(req(p, 64)),
+        Err(TierError::Overloaded(1))
+    ));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn grammar_makes_tool_calls_parse() {
+    let e = engine(4, 8);
+    let catalog: Vec<serde_json::Value> = std::fs::read_to_string(model("fixtures/catalog.jsonl"))
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    let tools: Vec<ToolSpec> = catalog
+        .iter()
+        .filter(|t| t["domain"] == "weather")
+        .map(|t| ToolSpec {
+            name: t["name"].as_str().unwrap().into(),
+            description: t["description"].as_str().unwrap().into(),
+            parameters: t["parameters"].clone(),
+        })
+        .collect();
+    assert!(tools.len() >= 5);
+    let grammar = tool_call_grammar(&tools).unwrap();
+    let user = "What is the forecast in Oslo for 2026-05-01?";
+    let prompt = chat::render_prompt(&[chat::ChatMessage::text(chat::Role::User, user)], &tools);
+    for seed in 0..4u32 {
+        // High temperature would often break JSON without the grammar.
+        let mut r = req(e.tokenize(&prompt), 96);
+        r.sampling = SamplingParams {
+            temperature: 2.0,
+            top_p: 1.0,
+            top_k: 0,
+            seed,
+        };
+        r.grammar = Some(grammar.clone());
+        r.grammar_trigger = Some(chat::CALL.into());
+        let o = collect(e.submit(r).unwrap()).await;
+        assert!(o.error.is_none(), "{:?}", o.error);
+        let parsed = chat::parse_output(&o.text);
+        if o.text.contains(chat::CALL) && o.finish == Some(FinishReason::Stop) {
+            assert_eq!(
+                parsed.malformed_calls, 0,
+                "grammar let through a malformed call: {}",
+                o.text
+            );
+            assert!(parsed
+                .tool_calls
+                .iter()
+                .all(|c| tools.iter().any(|t| t.name == c.name)));
+        }
+    }
+    // Greedy with the grammar picks the forecast tool with the city and date.
+    let mut r = req(e.tokenize(&prompt), 96);
+    r.grammar = Some(grammar);
+    r.grammar_trigger = Some(chat::CALL.into());
+    let o = collect(e.submit(r).unwrap()).await;
+    let parsed = chat::parse_output(&o.text);
+    assert_eq!(parsed.tool_calls.len(), 1, "{}", o.text);
+    assert_eq!(parsed.tool_calls[0].name, "weather_get_forecast");
+    assert_eq!(parsed.tool_calls[0].arguments["city"], "Oslo");
+}
