@@ -146,3 +146,83 @@ class GGUFWriter:
             for (_, _, _, data), off in zip(self.tensors, offsets):
                 f.write(data)
                 f.write(b"\0" * ((-len(data)) % ALIGNMENT))
+
+
+# ---------------------------------------------------------------------------
+# Reading (for references computed from a committed GGUF)
+
+_SCALAR_FMT = {
+    T_UINT8: "<B", T_INT8: "<b", T_UINT16: "<H", T_INT16: "<h",
+    T_UINT32: "<I", T_INT32: "<i", T_FLOAT32: "<f", T_BOOL: "<?",
+    T_UINT64: "<Q", T_INT64: "<q", T_FLOAT64: "<d",
+}
+
+
+def read_gguf(path: str) -> tuple[dict, dict[str, tuple[np.ndarray, int]]]:
+    """Read a GGUF file as written by `GGUFWriter`.
+
+    Returns (metadata, tensors): metadata maps each key to its value (arrays as
+    lists, FLOAT32 values as Python floats of the stored f32); tensors maps each
+    name to (array dequantized to float32 in numpy row-major shape, ggml type).
+    Supports F32, F16 and Q8_0 tensors.
+    """
+    with open(path, "rb") as f:
+        buf = f.read()
+    pos = 0
+
+    def take(fmt: str):
+        nonlocal pos
+        vals = struct.unpack_from(fmt, buf, pos)
+        pos += struct.calcsize(fmt)
+        return vals if len(vals) > 1 else vals[0]
+
+    def take_str() -> str:
+        nonlocal pos
+        n = take("<Q")
+        s = buf[pos:pos + n].decode("utf-8")
+        pos += n
+        return s
+
+    def take_value(vtype: int):
+        if vtype == T_STRING:
+            return take_str()
+        if vtype == T_ARRAY:
+            elem, n = take("<IQ")
+            return [take_value(elem) for _ in range(n)]
+        return take(_SCALAR_FMT[vtype])
+
+    if buf[:4] != GGUF_MAGIC:
+        raise ValueError(f"{path}: not a GGUF file")
+    pos = 4
+    version, n_tensors, n_kv = take("<IQQ")
+    if version not in (2, 3):
+        raise ValueError(f"{path}: unsupported GGUF version {version}")
+    meta: dict = {}
+    for _ in range(n_kv):
+        key = take_str()
+        meta[key] = take_value(take("<I"))
+    infos = []
+    for _ in range(n_tensors):
+        name = take_str()
+        n_dims = take("<I")
+        ne = [take("<Q") for _ in range(n_dims)]
+        gtype, offset = take("<IQ")
+        infos.append((name, tuple(reversed(ne)), gtype, offset))
+    align = int(meta.get("general.alignment", ALIGNMENT))
+    base = (pos + align - 1) // align * align
+    tensors: dict[str, tuple[np.ndarray, int]] = {}
+    for name, shape, gtype, offset in infos:
+        n = int(np.prod(shape))
+        start = base + offset
+        if gtype == GGML_F32:
+            arr = np.frombuffer(buf, dtype=np.float32, count=n, offset=start).reshape(shape).copy()
+        elif gtype == GGML_F16:
+            arr = np.frombuffer(buf, dtype=np.float16, count=n, offset=start).astype(np.float32).reshape(shape)
+        elif gtype == GGML_Q8_0:
+            nbytes = n // QK8_0 * (2 + QK8_0)
+            raw = np.frombuffer(buf, dtype=np.uint8, count=nbytes, offset=start)
+            arr = dequantize_q8_0(raw, shape)
+        else:
+            raise ValueError(f"{path}: tensor {name} has unsupported ggml type {gtype}")
+        tensors[name] = (arr, gtype)
+    return meta, tensors

@@ -6,10 +6,12 @@
 //! were running on the dead engine receive an error event and are retried by
 //! the gateway.
 
+use std::sync::Arc;
+
 use ractor::{Actor, ActorProcessingErr, ActorRef, RpcReplyPort};
 use tokio::sync::mpsc::UnboundedReceiver;
 
-use crate::{Engine, EngineConfig, GenerateRequest, ModelInfo, TierError, TokenEvent};
+use crate::{Engine, EngineConfig, EngineStats, GenerateRequest, ModelInfo, TierError, TokenEvent};
 
 /// Messages of [`TierActor`].
 #[derive(Debug)]
@@ -21,8 +23,24 @@ pub enum TierMsg {
         /// Where the stream (or the refusal) goes.
         reply: RpcReplyPort<Result<UnboundedReceiver<TokenEvent>, TierError>>,
     },
-    /// Report model facts.
-    GetInfo(RpcReplyPort<ModelInfo>),
+    /// Report model facts and live counters.
+    Describe(RpcReplyPort<TierDescription>),
+    /// Tokenize text (special tokens parsed, BOS added when the model wants it).
+    Tokenize {
+        /// Text.
+        text: String,
+        /// Token ids.
+        reply: RpcReplyPort<Vec<i32>>,
+    },
+}
+
+/// What a tier actor reports about itself.
+#[derive(Debug, Clone)]
+pub struct TierDescription {
+    /// Model facts.
+    pub info: ModelInfo,
+    /// Live counters of the engine.
+    pub stats: Arc<EngineStats>,
 }
 
 /// A supervised actor owning one engine.
@@ -59,8 +77,14 @@ impl Actor for TierActor {
             TierMsg::Generate { req, reply } => {
                 let _ = reply.send(engine.submit(req));
             }
-            TierMsg::GetInfo(reply) => {
-                let _ = reply.send(engine.info().clone());
+            TierMsg::Describe(reply) => {
+                let _ = reply.send(TierDescription {
+                    info: engine.info().clone(),
+                    stats: engine.stats().clone(),
+                });
+            }
+            TierMsg::Tokenize { text, reply } => {
+                let _ = reply.send(engine.tokenize(&text));
             }
         }
         Ok(())

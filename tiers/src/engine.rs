@@ -13,6 +13,7 @@ use llama_cpp_2::llama_batch::LlamaBatch;
 use llama_cpp_2::model::params::LlamaModelParams;
 use llama_cpp_2::model::LlamaModel;
 use llama_cpp_2::sampling::LlamaSampler;
+use llama_cpp_2::token::logit_bias::LlamaLogitBias;
 use llama_cpp_2::token::LlamaToken;
 use tokio::sync::mpsc;
 use tracing::{debug, warn};
@@ -434,6 +435,15 @@ impl<'m> Loop<'m> {
     fn sampler(&self, req: &GenerateRequest) -> Result<LlamaSampler, TierError> {
         let s = &req.sampling;
         let mut chain = Vec::new();
+        if req.ignore_eos {
+            let vocab = self.model.vocab();
+            let bans: Vec<LlamaLogitBias> = (0..self.model.n_vocab())
+                .map(LlamaToken)
+                .filter(|&t| vocab.is_eog(t))
+                .map(|t| LlamaLogitBias::new(t, f32::NEG_INFINITY))
+                .collect();
+            chain.push(LlamaSampler::logit_bias(self.model.n_vocab(), &bans));
+        }
         if let Some(g) = &req.grammar {
             let grammar = match &req.grammar_trigger {
                 Some(trigger) => {

@@ -8,7 +8,7 @@
 
 use serde_json::{json, Value};
 
-use crate::chat::{ToolSpec, CALL, END_CALL};
+use crate::chat::{ToolSpec, CALL, END_CALL, END_THINK, THINK};
 use crate::TierError;
 
 /// Grammar text (root rule `root`) for calls to any of `tools`.
@@ -44,6 +44,18 @@ pub fn tool_call_grammar(tools: &[ToolSpec]) -> Result<String, TierError> {
     let renamed = rename_root(&json_grammar);
     Ok(format!(
         "root ::= call+\ncall ::= \"{CALL}\" tool-json \"{END_CALL}\"\n{renamed}"
+    ))
+}
+
+/// Grammar that forces at least one call right away (an optional reasoning span first): for
+/// `tool_choice: "required"` or a named function.
+pub fn required_tool_call_grammar(tools: &[ToolSpec]) -> Result<String, TierError> {
+    let lazy = tool_call_grammar(tools)?;
+    let rest = lazy
+        .strip_prefix("root ::= call+\n")
+        .expect("tool_call_grammar starts with its root");
+    Ok(format!(
+        "root ::= think? call+\nthink ::= \"{THINK}\" [^<]* \"{END_THINK}\"\n{rest}"
     ))
 }
 

@@ -40,6 +40,8 @@ pub struct GenerateRequest {
     pub grammar: Option<String>,
     /// Token text that switches the lazy grammar on (e.g. `<tool_call>`).
     pub grammar_trigger: Option<String>,
+    /// Ban end-of-generation tokens so exactly `max_tokens` are generated (benchmarks).
+    pub ignore_eos: bool,
     /// Trace/log label for this request.
     pub request_id: String,
 }

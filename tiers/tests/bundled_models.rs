@@ -1,12 +1,21 @@
 //! The bundled tier GGUFs reproduce the PyTorch model's greedy output.
 //!
 //! `models/fixtures/greedy-<tier>.json` holds, for 100 held-out prompts, the
-//! prompt token ids and the greedy continuation computed by the training
-//! script (fp32 PyTorch). llama.cpp must produce the same tokens on at least
-//! 99 of them, and its tokenizer must give the same prompt ids.
+//! prompt token ids and greedy continuations:
+//! - "fp32": the trained fp32 PyTorch model (GPU, from `train.py`);
+//! - "q8": the same with q8_0-rounded weights (GPU, from `train.py`);
+//! - "q8w": fp32 PyTorch on the GGUF's q8_0 weights (CPU, `reference.py`);
+//! - "ggml": the GGUF's weights with llama.cpp's CPU arithmetic emulated
+//!   (q8_0 activations in every matmul, f16 KV cache, flash attention;
+//!   `reference.py`), with "ggml_gap", its top-1 minus top-2 logit per token.
+//!
+//! llama.cpp must produce the "ggml" tokens on at least 99 prompts of each
+//! tier and the fp32 tokens on at least 90, and its tokenizer must give the
+//! same prompt ids. Refresh the references with
+//! `python3 models/recipe/reference.py` after replacing a GGUF.
 
 use std::num::NonZeroU32;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
 
 use llama_cpp_2::context::params::LlamaContextParams;
@@ -36,6 +45,24 @@ struct Case {
     prompt_ids: Vec<i32>,
     fp32: Vec<i32>,
     q8: Vec<i32>,
+    #[serde(default)]
+    q8w: Option<Vec<i32>>,
+    #[serde(default)]
+    ggml: Option<Vec<i32>>,
+    #[serde(default)]
+    ggml_gap: Option<Vec<f32>>,
+}
+
+/// Index of the first token where `a` and `b` differ (or the shorter length).
+fn first_diff(a: &[i32], b: &[i32]) -> usize {
+    a.iter().zip(b).take_while(|(x, y)| x == y).count()
+}
+
+fn missing(fixture: &Path, i: usize, tier: &str, field: &str) -> ! {
+    panic!(
+        "{}: case {i} has no \"{field}\" reference; run `python3 models/recipe/reference.py --tier {tier}`",
+        fixture.display()
+    )
 }
 
 #[derive(Deserialize)]
@@ -62,9 +89,19 @@ fn check_tier(tier: &str) {
         .with_n_threads_batch(2);
     let mut ctx = model.new_context(backend(), params).expect("context");
     let vocab = model.vocab();
-    let (mut same, mut same_q8, mut tok_same) = (0usize, 0usize, 0usize);
+    let (mut same_fp32, mut same_q8, mut same_q8w, mut same_ggml, mut tok_same) =
+        (0usize, 0, 0, 0, 0);
     let mut batch = LlamaBatch::new(2048, 1);
     for (i, case) in fx.cases.iter().enumerate() {
+        let ggml = case
+            .ggml
+            .as_ref()
+            .unwrap_or_else(|| missing(&fixture, i, tier, "ggml"));
+        let q8w = case
+            .q8w
+            .as_ref()
+            .unwrap_or_else(|| missing(&fixture, i, tier, "q8w"));
+
         // The llama.cpp tokenizer must agree with SentencePiece on the prompt.
         let text = vocab.detokenize(
             &case.prompt_ids[1..]
@@ -91,12 +128,13 @@ fn check_tier(tier: &str) {
         }
         ctx.decode(&mut batch).expect("prefill");
         let mut out = Vec::new();
+        let mut gaps = Vec::new();
         let mut pos = n as i32;
         let mut last = batch.n_tokens() - 1;
         for _ in 0..fx.max_new {
-            let logits = ctx.get_logits_ith(last);
-            let t = argmax(logits);
+            let (t, gap) = top2(ctx.get_logits_ith(last));
             out.push(t);
+            gaps.push(gap);
             if vocab.is_eog(LlamaToken(t)) {
                 break;
             }
@@ -106,19 +144,43 @@ fn check_tier(tier: &str) {
             pos += 1;
             last = 0;
         }
-        if out == case.fp32 {
-            same += 1;
+        if &out == ggml {
+            same_ggml += 1;
         } else {
+            // Where the two first part ways, how close was each to a tie?
+            let p = first_diff(&out, ggml);
+            let ref_gap = case
+                .ggml_gap
+                .as_ref()
+                .and_then(|g| g.get(p))
+                .copied()
+                .unwrap_or(f32::NAN);
             eprintln!(
-                "{tier} case {i} ({}) differs: llama {out:?} vs torch {:?}",
-                case.kind, case.fp32
+                "{tier} case {i} ({}) differs from the ggml reference at token {p}: llama {:?} (top-2 gap {:.5}) vs reference {:?} (top-2 gap {ref_gap:.5})\n  llama     {out:?}\n  reference {ggml:?}",
+                case.kind,
+                out.get(p),
+                gaps.get(p).copied().unwrap_or(f32::NAN),
+                ggml.get(p),
+            );
+        }
+        if out == case.fp32 {
+            same_fp32 += 1;
+        } else {
+            let p = first_diff(&out, &case.fp32);
+            eprintln!(
+                "{tier} case {i} ({}) differs from fp32 PyTorch at token {p}: llama {:?} (top-2 gap {:.5}) vs fp32 {:?}",
+                case.kind,
+                out.get(p),
+                gaps.get(p).copied().unwrap_or(f32::NAN),
+                case.fp32.get(p),
             );
         }
         same_q8 += usize::from(out == case.q8);
+        same_q8w += usize::from(&out == q8w);
     }
     let total = fx.cases.len();
     eprintln!(
-        "{tier}: greedy equal to PyTorch fp32 on {same}/{total}, to q8-rounded PyTorch on {same_q8}/{total}, tokenizer equal on {tok_same}/{total}"
+        "{tier}: llama.cpp greedy equal to fp32 {same_fp32}/{total}, q8 {same_q8}/{total}, q8w {same_q8w}/{total}, ggml {same_ggml}/{total}; tokenizer equal on {tok_same}/{total}"
     );
     assert_eq!(total, 100);
     assert_eq!(
@@ -126,19 +188,30 @@ fn check_tier(tier: &str) {
         "llama.cpp tokenizer disagrees with SentencePiece"
     );
     assert!(
-        same >= 99,
-        "{tier}: only {same}/{total} greedy continuations match PyTorch"
+        same_ggml >= 99,
+        "{tier}: only {same_ggml}/{total} greedy continuations match the ggml-arithmetic reference"
+    );
+    assert!(
+        same_fp32 >= 90,
+        "{tier}: only {same_fp32}/{total} greedy continuations match fp32 PyTorch"
     );
 }
 
-fn argmax(v: &[f32]) -> i32 {
+/// Greedy pick (the first maximum) and its margin over the runner-up logit.
+fn top2(v: &[f32]) -> (i32, f32) {
     let mut best = 0;
     for (i, &x) in v.iter().enumerate() {
         if x > v[best] {
             best = i;
         }
     }
-    best as i32
+    let second = v
+        .iter()
+        .enumerate()
+        .filter(|&(i, _)| i != best)
+        .map(|(_, &x)| x)
+        .fold(f32::NEG_INFINITY, f32::max);
+    (best as i32, v[best] - second)
 }
 
 #[test]

@@ -1,0 +1,104 @@
+#!/usr/bin/env bash
+# Project entry points.
+#
+#   ./dev.sh demo            set up, build, run the agent demo
+#   ./dev.sh test [ARGS]     set up, build, run the whole test suite (release profile);
+#                            ARGS go to `cargo test`
+#   ./dev.sh bench [ARGS]    set up, build llama.cpp's llama-server, run mesh-bench;
+#                            ARGS go to mesh-bench
+#
+# Everything is built with the release profile, so the llama.cpp build is done
+# once and shared by the build, the tests and the benchmarks.
+set -euo pipefail
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+cd "$ROOT"
+
+usage() { awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' "${BASH_SOURCE[0]}"; }
+
+export MESH_PYTHON="$ROOT/.venv/bin/python"
+export MESH_LLAMA_SERVER="$ROOT/.cache/llama-server/bin/llama-server"
+if ! command -v cargo >/dev/null 2>&1 && [[ -x "$HOME/.cargo/bin/cargo" ]]; then
+    export PATH="$HOME/.cargo/bin:$PATH"
+fi
+
+# Exit 0 when the `mesh` package has an example target named agent_demo, 1 when
+# it has none, 2 when that cannot be told (no cargo/python3 yet, manifest errors).
+agent_demo_status() {
+    command -v cargo >/dev/null 2>&1 && command -v python3 >/dev/null 2>&1 || return 2
+    local meta
+    meta="$(cargo metadata --no-deps --format-version 1 --offline 2>/dev/null)" || return 2
+    python3 -c '
+import json, sys
+meta = json.load(sys.stdin)
+sys.exit(0 if any(
+    t["name"] == "agent_demo" and "example" in t["kind"]
+    for p in meta["packages"] if p["name"] == "mesh"
+    for t in p["targets"]
+) else 1)' <<<"$meta"
+}
+
+cmd_demo() {
+    local st=0
+    agent_demo_status || st=$?
+    if ((st == 2)); then
+        # Fresh machine: install the tools first, then look again.
+        scripts/setup.sh
+        st=0
+        agent_demo_status || st=$?
+    fi
+    if ((st == 1)); then
+        echo "dev.sh: the mesh package has no example 'agent_demo' (expected mesh/examples/agent_demo.rs)" >&2
+        exit 1
+    fi
+    scripts/setup.sh --build
+    exec cargo run --release -p mesh --example agent_demo
+}
+
+cmd_test() {
+    scripts/setup.sh --build
+    local rc
+    TEST_LOG="$(mktemp "${TMPDIR:-/tmp}/mesh-test.XXXXXX")"
+    trap 'rm -f "$TEST_LOG"' EXIT
+    set +e
+    # With no arguments: the whole workspace. With arguments (e.g. `-p mesh-tiers`,
+    # a test name filter) they go to cargo test as given; the workspace is
+    # virtual, so its default is still every member.
+    local scope=(--workspace)
+    (($#)) && scope=()
+    cargo test --release "${scope[@]}" --no-fail-fast "$@" 2>&1 | tee "$TEST_LOG"
+    rc=${PIPESTATUS[0]}
+    set -e
+    # Sum every "test result: ok. N passed; M failed; ..." line (unit, integration, doc tests).
+    local summary passed failed
+    summary="$(awk '
+        /^test result: / {
+            for (i = 1; i <= NF; i++) {
+                if ($(i + 1) ~ /^passed;?$/) p += $i
+                if ($(i + 1) ~ /^failed;?$/) f += $i
+            }
+        }
+        END { printf "%d %d\n", p, f }' "$TEST_LOG")"
+    read -r passed failed <<<"$summary"
+    echo "${passed} passed, ${failed} failed"
+    if ((rc != 0)); then
+        exit "$rc"
+    fi
+    if ((failed > 0)); then
+        exit 1
+    fi
+}
+
+cmd_bench() {
+    scripts/setup.sh
+    scripts/build-llama-server.sh
+    exec cargo run --release -p mesh-bench -- "$@"
+}
+
+case "${1:-}" in
+    demo) shift; cmd_demo "$@" ;;
+    test) shift; cmd_test "$@" ;;
+    bench) shift; cmd_bench "$@" ;;
+    -h|--help|help) usage ;;
+    *) usage >&2; exit 2 ;;
+esac

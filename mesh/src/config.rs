@@ -1,0 +1,150 @@
+//! Node configuration: defaults, then a TOML file, then `MESH_*` environment
+//! variables, then command-line flags (each layer overrides the one before).
+//!
+//! ```toml
+//! listen = "127.0.0.1:8080"
+//! max_concurrent = 64      # requests in flight at the gateway; more get 429
+//! [[tiers]]
+//! name = "t1"
+//! model = "models/t1-q8_0.gguf"
+//! n_ctx = 8192             # KV cells shared by all sequences of this tier
+//! n_seq_max = 8
+//! threads = 1
+//! ```
+
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+
+use mesh_tiers::EngineConfig;
+use serde::{Deserialize, Serialize};
+
+use crate::env;
+
+/// Configuration of one node.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct NodeConfig {
+    /// Gateway address.
+    pub listen: SocketAddr,
+    /// Requests in flight at the gateway before new ones get 429.
+    pub max_concurrent: usize,
+    /// Seconds a client is told to wait after a 429.
+    pub retry_after_s: u64,
+    /// Default completion budget when a request sets none.
+    pub default_max_tokens: usize,
+    /// Tiers this node hosts.
+    pub tiers: Vec<EngineConfig>,
+}
+
+impl Default for NodeConfig {
+    fn default() -> Self {
+        Self {
+            listen: "127.0.0.1:8080".parse().expect("valid literal"),
+            max_concurrent: 64,
+            retry_after_s: 1,
+            default_max_tokens: 256,
+            tiers: bundled_tiers(&models_dir()),
+        }
+    }
+}
+
+/// Folder of the bundled models (`MESH_MODELS_DIR`, else `./models`).
+pub fn models_dir() -> PathBuf {
+    std::env::var(env::MODELS_DIR)
+        .map(PathBuf::from)
+        .unwrap_or_else(|_| PathBuf::from("models"))
+}
+
+/// The three bundled tiers, one thread each.
+pub fn bundled_tiers(dir: &Path) -> Vec<EngineConfig> {
+    ["t1", "t2", "t3"]
+        .iter()
+        .map(|t| EngineConfig {
+            name: (*t).to_owned(),
+            model: dir.join(format!("{t}-q8_0.gguf")),
+            ..EngineConfig::default()
+        })
+        .collect()
+}
+
+impl NodeConfig {
+    /// Defaults overlaid with a TOML file and the environment.
+    pub fn load(file: Option<&Path>) -> anyhow::Result<Self> {
+        let mut cfg = match file {
+            Some(p) => {
+                let text = std::fs::read_to_string(p)
+                    .map_err(|e| anyhow::anyhow!("{}: {e}", p.display()))?;
+                toml::from_str(&text).map_err(|e| anyhow::anyhow!("{}: {e}", p.display()))?
+            }
+            None => Self::default(),
+        };
+        if let Ok(v) = std::env::var(env::LISTEN) {
+            cfg.listen = v
+                .parse()
+                .map_err(|e| anyhow::anyhow!("{}={v}: {e}", env::LISTEN))?;
+        }
+        if let Ok(v) = std::env::var(env::THREADS) {
+            let n: i32 = v
+                .parse()
+                .map_err(|e| anyhow::anyhow!("{}={v}: {e}", env::THREADS))?;
+            cfg.tiers.iter_mut().for_each(|t| t.threads = n);
+        }
+        Ok(cfg)
+    }
+
+    /// Checks the whole config before anything starts.
+    pub fn validate(&self) -> anyhow::Result<()> {
+        anyhow::ensure!(!self.tiers.is_empty(), "no tiers configured");
+        anyhow::ensure!(self.max_concurrent > 0, "max_concurrent must be at least 1");
+        let mut names = std::collections::HashSet::new();
+        for t in &self.tiers {
+            t.validate()?;
+            anyhow::ensure!(names.insert(&t.name), "tier {} configured twice", t.name);
+            anyhow::ensure!(
+                t.model.exists(),
+                "tier {}: model file {} not found",
+                t.name,
+                t.model.display()
+            );
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn toml_overrides_defaults() {
+        let cfg: NodeConfig = toml::from_str(
+            "listen = \"0.0.0.0:9000\"\n[[tiers]]\nname = \"x\"\nmodel = \"m.gguf\"\nthreads = 3\n",
+        )
+        .unwrap();
+        assert_eq!(cfg.listen.port(), 9000);
+        assert_eq!(cfg.tiers.len(), 1);
+        assert_eq!(cfg.tiers[0].threads, 3);
+        assert_eq!(cfg.tiers[0].n_seq_max, EngineConfig::default().n_seq_max);
+        assert_eq!(cfg.max_concurrent, 64);
+    }
+
+    #[test]
+    fn unknown_keys_are_rejected() {
+        assert!(toml::from_str::<NodeConfig>("lisen = \"x\"").is_err());
+    }
+
+    #[test]
+    fn validate_catches_missing_model_and_duplicates() {
+        let mut cfg = NodeConfig {
+            tiers: bundled_tiers(Path::new("/nonexistent")),
+            ..NodeConfig::default()
+        };
+        assert!(cfg
+            .validate()
+            .unwrap_err()
+            .to_string()
+            .contains("not found"));
+        cfg.tiers = vec![];
+        assert!(cfg.validate().is_err());
+    }
+}

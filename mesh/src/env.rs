@@ -1,0 +1,12 @@
+//! Every environment variable mesh reads, in one place.
+
+/// OTLP collector endpoint (standard OpenTelemetry name); unset = no export.
+pub const OTLP_ENDPOINT: &str = "OTEL_EXPORTER_OTLP_ENDPOINT";
+/// Gateway listen address (`HOST:PORT`), overrides the config file.
+pub const LISTEN: &str = "MESH_LISTEN";
+/// Threads per tier engine, overrides the config file.
+pub const THREADS: &str = "MESH_THREADS";
+/// Folder holding the bundled models (default `models` under the working directory).
+pub const MODELS_DIR: &str = "MESH_MODELS_DIR";
+/// Set to 1 to see llama.cpp's own log lines.
+pub const LLAMA_LOGS: &str = "MESH_LLAMA_LOGS";

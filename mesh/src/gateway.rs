@@ -1,0 +1,1126 @@
+//! The OpenAI-compatible HTTP gateway (axum).
+//!
+//! Routes: `POST /v1/chat/completions`, `POST /v1/completions`,
+//! `GET /v1/models`, `GET /health`, `GET /ready`, `GET /metrics`.
+//!
+//! Request path: parse and validate the body (400 with a reason) → find the
+//! tier (404 `model_not_found`) → take a concurrency permit (429 with
+//! `Retry-After`) → render the chat prompt and tokenize → check the context
+//! (400 `context_length_exceeded`) → submit to the tier actor → stream tokens
+//! out as SSE or collect them. A client that disconnects drops the token
+//! receiver, which frees its sequence in the engine.
+
+use std::convert::Infallible;
+use std::sync::Arc;
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use axum::body::Bytes;
+use axum::extract::State;
+use axum::http::{header, HeaderValue, StatusCode};
+use axum::response::sse::{Event, KeepAlive, Sse};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use mesh_tiers::actor::TierMsg;
+use mesh_tiers::chat::{self, ChatMessage, Role, ToolCall, ToolSpec};
+use mesh_tiers::grammar;
+use mesh_tiers::{FinishReason, GenerateRequest, SamplingParams, TierError, TokenEvent};
+use serde_json::{json, Value};
+use tokio::sync::{mpsc, OwnedSemaphorePermit, Semaphore};
+use tokio_stream::wrappers::ReceiverStream;
+use tracing::{info_span, Instrument};
+
+use crate::metrics::{Metrics, RequestLabel};
+use crate::node::{Registry, TierEntry};
+use crate::openai::*;
+
+/// Gateway settings.
+#[derive(Debug, Clone)]
+pub struct GatewaySettings {
+    /// Requests in flight before 429.
+    pub max_concurrent: usize,
+    /// Seconds in `Retry-After`.
+    pub retry_after_s: u64,
+    /// Completion budget when a request sets none.
+    pub default_max_tokens: usize,
+    /// Tier names this node is configured with (for `/ready`).
+    pub expected_tiers: Vec<String>,
+}
+
+/// Shared state of the handlers.
+#[derive(Clone)]
+pub struct AppState {
+    registry: Registry,
+    metrics: Arc<Metrics>,
+    permits: Arc<Semaphore>,
+    settings: Arc<GatewaySettings>,
+}
+
+impl AppState {
+    /// State over a node's tier registry.
+    pub fn new(registry: Registry, settings: GatewaySettings) -> Self {
+        Self {
+            registry,
+            metrics: Arc::new(Metrics::default()),
+            permits: Arc::new(Semaphore::new(settings.max_concurrent)),
+            settings: Arc::new(settings),
+        }
+    }
+}
+
+/// The router with every route.
+pub fn router(state: AppState) -> Router {
+    Router::new()
+        .route("/v1/chat/completions", post(chat_completions))
+        .route("/v1/completions", post(completions))
+        .route("/v1/models", get(models))
+        .route("/health", get(|| async { Json(json!({"status": "ok"})) }))
+        .route("/ready", get(ready))
+        .route("/metrics", get(metrics))
+        .with_state(state)
+}
+
+// ---------------------------------------------------------------------------
+// Errors
+
+/// An API error rendered as OpenAI's error JSON.
+#[derive(Debug)]
+pub struct ApiError {
+    status: StatusCode,
+    kind: &'static str,
+    code: Option<&'static str>,
+    param: Option<String>,
+    message: String,
+    retry_after: Option<u64>,
+}
+
+impl ApiError {
+    fn bad_request(message: impl Into<String>, param: Option<&str>) -> Self {
+        Self {
+            status: StatusCode::BAD_REQUEST,
+            kind: "invalid_request_error",
+            code: None,
+            param: param.map(str::to_owned),
+            message: message.into(),
+            retry_after: None,
+        }
+    }
+
+    fn model_not_found(model: &str, available: Vec<String>) -> Self {
+        Self {
+            status: StatusCode::NOT_FOUND,
+            kind: "invalid_request_error",
+            code: Some("model_not_found"),
+            param: Some("model".into()),
+            message: format!(
+                "The model `{model}` does not exist on this node. Available: {}",
+                available.join(", ")
+            ),
+            retry_after: None,
+        }
+    }
+
+    fn busy(message: impl Into<String>, retry_after: u64) -> Self {
+        Self {
+            status: StatusCode::TOO_MANY_REQUESTS,
+            kind: "rate_limit_error",
+            code: Some("rate_limit_exceeded"),
+            param: None,
+            message: message.into(),
+            retry_after: Some(retry_after),
+        }
+    }
+
+    fn unavailable(message: impl Into<String>) -> Self {
+        Self {
+            status: StatusCode::SERVICE_UNAVAILABLE,
+            kind: "server_error",
+            code: Some("tier_unavailable"),
+            param: None,
+            message: message.into(),
+            retry_after: Some(1),
+        }
+    }
+
+    fn from_tier(e: TierError, retry_after: u64) -> Self {
+        match e {
+            TierError::ContextExceeded { prompt, max_tokens, limit } => Self {
+                status: StatusCode::BAD_REQUEST,
+                kind: "invalid_request_error",
+                code: Some("context_length_exceeded"),
+                param: Some("messages".into()),
+                message: format!(
+                    "This model's maximum context length is {limit} tokens. However, you requested {} tokens ({prompt} in the messages, {max_tokens} in the completion).",
+                    prompt + max_tokens
+                ),
+                retry_after: None,
+            },
+            TierError::Overloaded(n) => Self::busy(format!("The tier is busy ({n} requests queued); retry later."), retry_after),
+            TierError::InvalidRequest(m) => Self::bad_request(m, None),
+            TierError::EngineStopped => Self::unavailable("The tier is restarting; retry shortly."),
+            other => Self {
+                status: StatusCode::INTERNAL_SERVER_ERROR,
+                kind: "server_error",
+                code: None,
+                param: None,
+                message: other.to_string(),
+                retry_after: None,
+            },
+        }
+    }
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        let body = ErrorBody {
+            error: ErrorDetail {
+                message: self.message,
+                kind: self.kind.into(),
+                param: self.param,
+                code: self.code.map(str::to_owned),
+            },
+        };
+        let mut resp = (self.status, Json(body)).into_response();
+        if let Some(s) = self.retry_after {
+            resp.headers_mut()
+                .insert(header::RETRY_AFTER, HeaderValue::from(s));
+        }
+        resp
+    }
+}
+
+fn parse_body<T: serde::de::DeserializeOwned>(body: &[u8]) -> Result<T, ApiError> {
+    if body.is_empty() {
+        return Err(ApiError::bad_request(
+            "request body is empty; expected a JSON object",
+            None,
+        ));
+    }
+    serde_json::from_slice(body)
+        .map_err(|e| ApiError::bad_request(format!("invalid request body: {e}"), None))
+}
+
+// ---------------------------------------------------------------------------
+// Shared request plumbing
+
+/// A validated generation job, ready for a tier.
+struct Job {
+    tier: TierEntry,
+    model: String,
+    req: GenerateRequest,
+    _permit: OwnedSemaphorePermit,
+}
+
+impl AppState {
+    fn find_tier(&self, model: &str) -> Result<TierEntry, ApiError> {
+        self.registry
+            .get(model)
+            .map(|e| e.value().clone())
+            .ok_or_else(|| {
+                if self.settings.expected_tiers.iter().any(|t| t == model) {
+                    ApiError::unavailable(format!(
+                        "The tier `{model}` is restarting; retry shortly."
+                    ))
+                } else {
+                    let mut names: Vec<String> = self.settings.expected_tiers.clone();
+                    names.sort();
+                    ApiError::model_not_found(model, names)
+                }
+            })
+    }
+
+    fn permit(&self) -> Result<OwnedSemaphorePermit, ApiError> {
+        self.permits.clone().try_acquire_owned().map_err(|_| {
+            ApiError::busy(
+                format!(
+                    "Too many concurrent requests (limit {}); retry later.",
+                    self.settings.max_concurrent
+                ),
+                self.settings.retry_after_s,
+            )
+        })
+    }
+
+    fn count(&self, endpoint: &str, status: StatusCode) {
+        self.metrics
+            .requests
+            .get_or_create(&RequestLabel {
+                endpoint: endpoint.into(),
+                status: status.as_u16(),
+            })
+            .inc();
+    }
+}
+
+async fn tokenize(tier: &TierEntry, text: String) -> Result<Vec<i32>, ApiError> {
+    ractor::call!(tier.actor, |reply| TierMsg::Tokenize { text, reply })
+        .map_err(|e| ApiError::unavailable(format!("tier unavailable: {e}")))
+}
+
+fn budget(
+    state: &AppState,
+    tier: &TierEntry,
+    prompt_len: usize,
+    asked: Option<usize>,
+) -> Result<usize, ApiError> {
+    let limit = tier.desc.info.max_seq_len;
+    match asked {
+        Some(0) => Err(ApiError::bad_request(
+            "max_tokens must be at least 1",
+            Some("max_tokens"),
+        )),
+        Some(n) if prompt_len + n > limit => Err(ApiError::from_tier(
+            TierError::ContextExceeded {
+                prompt: prompt_len,
+                max_tokens: n,
+                limit,
+            },
+            0,
+        )),
+        Some(n) => Ok(n),
+        None if prompt_len >= limit => Err(ApiError::from_tier(
+            TierError::ContextExceeded {
+                prompt: prompt_len,
+                max_tokens: 0,
+                limit,
+            },
+            0,
+        )),
+        None => Ok(state.settings.default_max_tokens.min(limit - prompt_len)),
+    }
+}
+
+fn sampling(
+    temperature: Option<f32>,
+    top_p: Option<f32>,
+    top_k: Option<i32>,
+    seed: Option<u64>,
+) -> Result<SamplingParams, ApiError> {
+    let t = temperature.unwrap_or(0.0);
+    if !(0.0..=2.0).contains(&t) {
+        return Err(ApiError::bad_request(
+            "temperature must be between 0 and 2",
+            Some("temperature"),
+        ));
+    }
+    let p = top_p.unwrap_or(1.0);
+    if !(p > 0.0 && p <= 1.0) {
+        return Err(ApiError::bad_request(
+            "top_p must be in (0, 1]",
+            Some("top_p"),
+        ));
+    }
+    let k = top_k.unwrap_or(0);
+    if k < 0 {
+        return Err(ApiError::bad_request("top_k must be >= 0", Some("top_k")));
+    }
+    Ok(SamplingParams {
+        temperature: t,
+        top_p: p,
+        top_k: k,
+        seed: seed.unwrap_or(0) as u32,
+    })
+}
+
+async fn submit(
+    state: &AppState,
+    job: &Job,
+) -> Result<mpsc::UnboundedReceiver<TokenEvent>, ApiError> {
+    // One retry through the registry covers a tier actor that was just restarted.
+    let mut tier = job.tier.clone();
+    for attempt in 0..2 {
+        let req = job.req.clone();
+        match ractor::call!(tier.actor, |reply| TierMsg::Generate { req, reply }) {
+            Ok(Ok(rx)) => return Ok(rx),
+            Ok(Err(TierError::EngineStopped)) | Err(_) if attempt == 0 => {
+                tokio::time::sleep(Duration::from_millis(500)).await;
+                tier = state.find_tier(&job.model)?;
+            }
+            Ok(Err(e)) => return Err(ApiError::from_tier(e, state.settings.retry_after_s)),
+            Err(e) => return Err(ApiError::unavailable(format!("tier unavailable: {e}"))),
+        }
+    }
+    Err(ApiError::unavailable("tier unavailable"))
+}
+
+/// Token stream with latency metrics recorded as it is read.
+struct Timed {
+    rx: mpsc::UnboundedReceiver<TokenEvent>,
+    model: String,
+    metrics: Arc<Metrics>,
+    arrived: Instant,
+    last: Option<Instant>,
+    queued_ms: u64,
+}
+
+impl Timed {
+    async fn next(&mut self) -> Option<TokenEvent> {
+        let ev = self.rx.recv().await?;
+        let l = Metrics::model(&self.model);
+        match &ev {
+            TokenEvent::Started { queued_ms } => self.queued_ms = *queued_ms,
+            TokenEvent::Token { .. } => {
+                let now = Instant::now();
+                match self.last {
+                    None => self
+                        .metrics
+                        .ttft
+                        .get_or_create(&l)
+                        .observe((now - self.arrived).as_secs_f64()),
+                    Some(prev) => self
+                        .metrics
+                        .itl
+                        .get_or_create(&l)
+                        .observe((now - prev).as_secs_f64()),
+                }
+                self.last = Some(now);
+            }
+            TokenEvent::Done { usage, .. } => {
+                self.metrics
+                    .prompt_tokens
+                    .get_or_create(&l)
+                    .inc_by(usage.prompt_tokens as u64);
+                self.metrics
+                    .generation_tokens
+                    .get_or_create(&l)
+                    .inc_by(usage.completion_tokens as u64);
+                self.metrics
+                    .e2e
+                    .get_or_create(&l)
+                    .observe(self.arrived.elapsed().as_secs_f64());
+            }
+            TokenEvent::Error(_) => {}
+        }
+        Some(ev)
+    }
+}
+
+struct Collected {
+    text: String,
+    finish: FinishReason,
+    usage: OutUsage,
+    queued_ms: u64,
+}
+
+async fn collect(mut t: Timed) -> Result<Collected, ApiError> {
+    let mut text = String::new();
+    while let Some(ev) = t.next().await {
+        match ev {
+            TokenEvent::Started { .. } => {}
+            TokenEvent::Token { text: piece, .. } => text.push_str(&piece),
+            TokenEvent::Done {
+                finish,
+                usage,
+                tail,
+            } => {
+                text.push_str(&tail);
+                return Ok(Collected {
+                    text,
+                    finish,
+                    usage: usage.into(),
+                    queued_ms: t.queued_ms,
+                });
+            }
+            TokenEvent::Error(e) => {
+                return Err(ApiError::unavailable(format!("generation failed: {e}")))
+            }
+        }
+    }
+    Err(ApiError::unavailable("the tier stopped before finishing"))
+}
+
+fn now_s() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or(0)
+}
+
+fn new_id(prefix: &str) -> String {
+    format!("{prefix}-{}", uuid::Uuid::new_v4().simple())
+}
+
+fn finish_str(f: FinishReason) -> &'static str {
+    match f {
+        FinishReason::Stop => "stop",
+        FinishReason::Length | FinishReason::ContextFull => "length",
+    }
+}
+
+fn sse_data(v: &Value) -> Result<Event, Infallible> {
+    Ok(Event::default().data(v.to_string()))
+}
+
+// ---------------------------------------------------------------------------
+// /v1/chat/completions
+
+fn to_messages(input: &[InMessage]) -> Result<Vec<ChatMessage>, ApiError> {
+    if input.is_empty() {
+        return Err(ApiError::bad_request(
+            "messages must not be empty",
+            Some("messages"),
+        ));
+    }
+    input
+        .iter()
+        .enumerate()
+        .map(|(i, m)| {
+            let role = match m.role.as_str() {
+                "system" | "developer" => Role::System,
+                "user" => Role::User,
+                "assistant" => Role::Assistant,
+                "tool" => Role::Tool,
+                other => {
+                    return Err(ApiError::bad_request(
+                        format!("unsupported role `{other}`"),
+                        Some(&format!("messages[{i}].role")),
+                    ))
+                }
+            };
+            let content = match &m.content {
+                None | Some(Value::Null) => String::new(),
+                Some(Value::String(s)) => s.clone(),
+                Some(Value::Array(parts)) => {
+                    let mut text = String::new();
+                    for p in parts {
+                        match (
+                            p.get("type").and_then(Value::as_str),
+                            p.get("text").and_then(Value::as_str),
+                        ) {
+                            (Some("text"), Some(t)) => text.push_str(t),
+                            (kind, _) => {
+                                return Err(ApiError::bad_request(
+                                    format!(
+                                        "unsupported content part type `{}`",
+                                        kind.unwrap_or("?")
+                                    ),
+                                    Some(&format!("messages[{i}].content")),
+                                ))
+                            }
+                        }
+                    }
+                    text
+                }
+                Some(_) => {
+                    return Err(ApiError::bad_request(
+                        "content must be a string, an array of text parts, or null",
+                        Some(&format!("messages[{i}].content")),
+                    ))
+                }
+            };
+            let tool_calls = m
+                .tool_calls
+                .iter()
+                .map(|c| ToolCall {
+                    name: c.function.name.clone(),
+                    arguments: match &c.function.arguments {
+                        Value::String(s) => {
+                            serde_json::from_str(s).unwrap_or_else(|_| Value::String(s.clone()))
+                        }
+                        v => v.clone(),
+                    },
+                })
+                .collect();
+            Ok(ChatMessage {
+                role,
+                content,
+                tool_calls,
+            })
+        })
+        .collect()
+}
+
+fn to_tools(input: &[InTool]) -> Result<Vec<ToolSpec>, ApiError> {
+    input
+        .iter()
+        .enumerate()
+        .map(|(i, t)| {
+            if t.kind != "function" {
+                return Err(ApiError::bad_request(
+                    format!(
+                        "unsupported tool type `{}`; only `function` is supported",
+                        t.kind
+                    ),
+                    Some(&format!("tools[{i}].type")),
+                ));
+            }
+            if t.function.name.is_empty() {
+                return Err(ApiError::bad_request(
+                    "tool name must not be empty",
+                    Some(&format!("tools[{i}].function.name")),
+                ));
+            }
+            let parameters = t
+                .function
+                .parameters
+                .clone()
+                .unwrap_or_else(|| json!({"type": "object", "properties": {}}));
+            if !parameters.is_object() {
+                return Err(ApiError::bad_request(
+                    "parameters must be a JSON schema object",
+                    Some(&format!("tools[{i}].function.parameters")),
+                ));
+            }
+            Ok(ToolSpec {
+                name: t.function.name.clone(),
+                description: t.function.description.clone().unwrap_or_default(),
+                parameters,
+            })
+        })
+        .collect()
+}
+
+/// Tools to show in the prompt and the grammar to apply, from `tool_choice`.
+fn tool_plan(
+    tools: Vec<ToolSpec>,
+    choice: Option<&Value>,
+) -> Result<(Vec<ToolSpec>, Option<(String, bool)>), ApiError> {
+    let err = |m: String| ApiError::bad_request(m, Some("tool_choice"));
+    let g = |r: Result<String, TierError>| {
+        r.map_err(|e| ApiError::bad_request(e.to_string(), Some("tools")))
+    };
+    match choice {
+        None | Some(Value::Null) => {
+            if tools.is_empty() {
+                Ok((tools, None))
+            } else {
+                let gr = g(grammar::tool_call_grammar(&tools))?;
+                Ok((tools, Some((gr, true))))
+            }
+        }
+        Some(Value::String(s)) => match s.as_str() {
+            "auto" if tools.is_empty() => Ok((tools, None)),
+            "auto" => {
+                let gr = g(grammar::tool_call_grammar(&tools))?;
+                Ok((tools, Some((gr, true))))
+            }
+            "none" => Ok((Vec::new(), None)),
+            "required" if tools.is_empty() => {
+                Err(err("tool_choice `required` needs at least one tool".into()))
+            }
+            "required" => {
+                let gr = g(grammar::required_tool_call_grammar(&tools))?;
+                Ok((tools, Some((gr, false))))
+            }
+            other => Err(err(format!("unsupported tool_choice `{other}`"))),
+        },
+        Some(obj) => {
+            let name = obj
+                .pointer("/function/name")
+                .and_then(Value::as_str)
+                .ok_or_else(|| err("tool_choice object must be {\"type\": \"function\", \"function\": {\"name\": ...}}".into()))?;
+            let chosen: Vec<ToolSpec> = tools.iter().filter(|t| t.name == name).cloned().collect();
+            if chosen.is_empty() {
+                return Err(err(format!(
+                    "tool_choice names `{name}`, which is not in tools"
+                )));
+            }
+            let gr = g(grammar::required_tool_call_grammar(&chosen))?;
+            Ok((tools, Some((gr, false))))
+        }
+    }
+}
+
+fn out_calls(calls: &[ToolCall], start: usize, with_index: bool) -> Vec<OutToolCall> {
+    calls
+        .iter()
+        .enumerate()
+        .map(|(i, c)| OutToolCall {
+            index: with_index.then_some(start + i),
+            id: format!("call_{}", &uuid::Uuid::new_v4().simple().to_string()[..24]),
+            kind: "function".into(),
+            function: OutFunctionCall {
+                name: c.name.clone(),
+                arguments: c.arguments.to_string(),
+            },
+        })
+        .collect()
+}
+
+async fn chat_completions(State(state): State<AppState>, body: Bytes) -> Response {
+    const EP: &str = "/v1/chat/completions";
+    let resp = match chat_inner(&state, &body).await {
+        Ok(r) => r,
+        Err(e) => e.into_response(),
+    };
+    state.count(EP, resp.status());
+    resp
+}
+
+async fn chat_inner(state: &AppState, body: &[u8]) -> Result<Response, ApiError> {
+    let arrived = Instant::now();
+    let r: ChatRequest = parse_body(body)?;
+    if r.n.unwrap_or(1) != 1 {
+        return Err(ApiError::bad_request("only n = 1 is supported", Some("n")));
+    }
+    let span = info_span!("gateway.chat", gen_ai.request.model = %r.model, gen_ai.operation.name = "chat",
+        gen_ai.usage.input_tokens = tracing::field::Empty, mesh.tier = %r.model, stream = r.stream);
+    async move {
+        let tier = state.find_tier(&r.model)?;
+        let messages = to_messages(&r.messages)?;
+        let (shown, grammar) = tool_plan(to_tools(&r.tools)?, r.tool_choice.as_ref())?;
+        let permit = state.permit()?;
+        let prompt_text = chat::render_prompt(&messages, &shown);
+        let prompt = tokenize(&tier, prompt_text).instrument(info_span!("tokenize")).await?;
+        tracing::Span::current().record("gen_ai.usage.input_tokens", prompt.len());
+        let max_tokens = budget(state, &tier, prompt.len(), r.max_completion_tokens.or(r.max_tokens))?;
+        let (grammar, trigger) = match grammar {
+            Some((g, true)) => (Some(g), Some(chat::CALL.to_owned())),
+            Some((g, false)) => (Some(g), None),
+            None => (None, None),
+        };
+        let req = GenerateRequest {
+            prompt,
+            max_tokens,
+            sampling: sampling(r.temperature, r.top_p, r.top_k, r.seed)?,
+            stop: r.stop.clone().map(StopField::into_vec).unwrap_or_default(),
+            grammar,
+            grammar_trigger: trigger,
+            ignore_eos: r.ignore_eos,
+            request_id: String::new(),
+        };
+        let job = Job { tier, model: r.model.clone(), req, _permit: permit };
+        let rx = submit(state, &job).instrument(info_span!("tier.submit")).await?;
+        let timed = Timed { rx, model: job.model.clone(), metrics: state.metrics.clone(), arrived, last: None, queued_ms: 0 };
+        if r.stream {
+            let include_usage = r.stream_options.as_ref().is_some_and(|o| o.include_usage);
+            Ok(stream_chat(job, timed, include_usage))
+        } else {
+            let c = collect(timed).instrument(info_span!("tier.generate")).await?;
+            let parsed = chat::parse_output(&c.text);
+            let finish = if !parsed.tool_calls.is_empty() { "tool_calls" } else { finish_str(c.finish) };
+            let mut message = json!({"role": "assistant", "content": if parsed.content.is_empty() && !parsed.tool_calls.is_empty() { Value::Null } else { Value::String(parsed.content.clone()) }});
+            if let Some(reasoning) = &parsed.reasoning {
+                message["reasoning_content"] = Value::String(reasoning.clone());
+            }
+            if !parsed.tool_calls.is_empty() {
+                message["tool_calls"] = serde_json::to_value(out_calls(&parsed.tool_calls, 0, false)).expect("serializable");
+            }
+            let body = json!({
+                "id": new_id("chatcmpl"),
+                "object": "chat.completion",
+                "created": now_s(),
+                "model": job.model,
+                "choices": [{"index": 0, "message": message, "finish_reason": finish, "logprobs": null}],
+                "usage": c.usage,
+                "mesh": MeshInfo { tier: job.model.clone(), queued_ms: c.queued_ms },
+            });
+            Ok(Json(body).into_response())
+        }
+    }
+    .instrument(span)
+    .await
+}
+
+/// Splits streamed chat text into content, reasoning and complete tool-call bodies.
+#[derive(Debug, Default)]
+pub struct StreamSplitter {
+    buf: String,
+    state: SplitState,
+}
+
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+enum SplitState {
+    #[default]
+    Content,
+    Think,
+    Call,
+}
+
+/// A piece of streamed output.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Piece {
+    /// Answer text.
+    Content(String),
+    /// Reasoning text.
+    Reasoning(String),
+    /// A complete tool-call body (JSON text between the markers).
+    Call(String),
+}
+
+fn held_suffix(buf: &str, markers: &[&str]) -> usize {
+    markers
+        .iter()
+        .map(|m| {
+            (1..m.len().min(buf.len() + 1))
+                .rev()
+                .find(|&n| {
+                    buf.is_char_boundary(buf.len() - n) && m.starts_with(&buf[buf.len() - n..])
+                })
+                .unwrap_or(0)
+        })
+        .max()
+        .unwrap_or(0)
+}
+
+impl StreamSplitter {
+    /// Feeds text; returns the pieces that are complete.
+    pub fn push(&mut self, text: &str) -> Vec<Piece> {
+        self.buf.push_str(text);
+        let mut out = Vec::new();
+        loop {
+            match self.state {
+                SplitState::Content => {
+                    let next = [
+                        (chat::THINK, SplitState::Think),
+                        (chat::CALL, SplitState::Call),
+                    ]
+                    .iter()
+                    .filter_map(|(m, s)| self.buf.find(m).map(|i| (i, m.len(), *s)))
+                    .min_by_key(|x| x.0);
+                    if let Some((i, len, s)) = next {
+                        if i > 0 {
+                            out.push(Piece::Content(self.buf[..i].to_owned()));
+                        }
+                        self.buf.drain(..i + len);
+                        self.state = s;
+                        continue;
+                    }
+                    let keep = held_suffix(&self.buf, &[chat::THINK, chat::CALL]);
+                    let cut = self.buf.len() - keep;
+                    if cut > 0 {
+                        out.push(Piece::Content(self.buf[..cut].to_owned()));
+                        self.buf.drain(..cut);
+                    }
+                    break;
+                }
+                SplitState::Think => {
+                    if let Some(i) = self.buf.find(chat::END_THINK) {
+                        if i > 0 {
+                            out.push(Piece::Reasoning(self.buf[..i].to_owned()));
+                        }
+                        self.buf.drain(..i + chat::END_THINK.len());
+                        self.state = SplitState::Content;
+                        continue;
+                    }
+                    let keep = held_suffix(&self.buf, &[chat::END_THINK]);
+                    let cut = self.buf.len() - keep;
+                    if cut > 0 {
+                        out.push(Piece::Reasoning(self.buf[..cut].to_owned()));
+                        self.buf.drain(..cut);
+                    }
+                    break;
+                }
+                SplitState::Call => {
+                    if let Some(i) = self.buf.find(chat::END_CALL) {
+                        out.push(Piece::Call(self.buf[..i].to_owned()));
+                        self.buf.drain(..i + chat::END_CALL.len());
+                        self.state = SplitState::Content;
+                        continue;
+                    }
+                    break;
+                }
+            }
+        }
+        out
+    }
+
+    /// End of stream: whatever is held.
+    pub fn finish(&mut self) -> Vec<Piece> {
+        let rest = std::mem::take(&mut self.buf);
+        match std::mem::take(&mut self.state) {
+            _ if rest.is_empty() => vec![],
+            SplitState::Content => vec![Piece::Content(rest)],
+            SplitState::Think => vec![Piece::Reasoning(rest)],
+            SplitState::Call => vec![Piece::Content(format!("{}{rest}", chat::CALL))],
+        }
+    }
+}
+
+fn stream_chat(job: Job, mut timed: Timed, include_usage: bool) -> Response {
+    let (tx, rx) = mpsc::channel::<Result<Event, Infallible>>(64);
+    let id = new_id("chatcmpl");
+    let created = now_s();
+    let model = job.model.clone();
+    let chunk = move |delta: Value, finish: Option<&str>| {
+        json!({"id": id, "object": "chat.completion.chunk", "created": created, "model": model,
+               "choices": [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": null}]})
+    };
+    tokio::spawn(
+        async move {
+            let _job = job; // holds the concurrency permit until the stream ends
+            if tx.send(sse_data(&chunk(json!({"role": "assistant", "content": ""}), None))).await.is_err() {
+                return;
+            }
+            let mut split = StreamSplitter::default();
+            let mut n_calls = 0usize;
+            let send_pieces = |pieces: Vec<Piece>, n_calls: &mut usize| -> Vec<Value> {
+                pieces
+                    .into_iter()
+                    .map(|p| match p {
+                        Piece::Content(t) => chunk(json!({"content": t}), None),
+                        Piece::Reasoning(t) => chunk(json!({"reasoning_content": t}), None),
+                        Piece::Call(body) => match chat::parse_output(&format!("{}{body}{}", chat::CALL, chat::END_CALL)).tool_calls.first() {
+                            Some(c) => {
+                                let calls = out_calls(std::slice::from_ref(c), *n_calls, true);
+                                *n_calls += 1;
+                                chunk(json!({"tool_calls": calls}), None)
+                            }
+                            None => chunk(json!({"content": format!("{}{body}{}", chat::CALL, chat::END_CALL)}), None),
+                        },
+                    })
+                    .collect()
+            };
+            while let Some(ev) = timed.next().await {
+                let (pieces, done) = match ev {
+                    TokenEvent::Started { .. } => continue,
+                    TokenEvent::Token { text, .. } => (split.push(&text), None),
+                    TokenEvent::Done { finish, usage, tail } => {
+                        let mut p = split.push(&tail);
+                        p.extend(split.finish());
+                        (p, Some((finish, usage)))
+                    }
+                    TokenEvent::Error(e) => {
+                        let _ = tx.send(sse_data(&json!({"error": {"message": e, "type": "server_error"}}))).await;
+                        return;
+                    }
+                };
+                for v in send_pieces(pieces, &mut n_calls) {
+                    if tx.send(sse_data(&v)).await.is_err() {
+                        return; // client went away: dropping `timed` cancels the sequence
+                    }
+                }
+                if let Some((finish, usage)) = done {
+                    let f = if n_calls > 0 { "tool_calls" } else { finish_str(finish) };
+                    let _ = tx.send(sse_data(&chunk(json!({}), Some(f)))).await;
+                    if include_usage {
+                        let mut last = chunk(json!({}), None);
+                        last["choices"] = json!([]);
+                        last["usage"] = serde_json::to_value(OutUsage::from(usage)).expect("serializable");
+                        let _ = tx.send(sse_data(&last)).await;
+                    }
+                    let _ = tx.send(Ok(Event::default().data("[DONE]"))).await;
+                    return;
+                }
+            }
+        }
+        .instrument(info_span!("tier.generate")),
+    );
+    Sse::new(ReceiverStream::new(rx))
+        .keep_alive(KeepAlive::default())
+        .into_response()
+}
+
+// ---------------------------------------------------------------------------
+// /v1/completions
+
+async fn completions(State(state): State<AppState>, body: Bytes) -> Response {
+    const EP: &str = "/v1/completions";
+    let resp = match completions_inner(&state, &body).await {
+        Ok(r) => r,
+        Err(e) => e.into_response(),
+    };
+    state.count(EP, resp.status());
+    resp
+}
+
+async fn completions_inner(state: &AppState, body: &[u8]) -> Result<Response, ApiError> {
+    let arrived = Instant::now();
+    let r: CompletionRequest = parse_body(body)?;
+    if r.n.unwrap_or(1) != 1 {
+        return Err(ApiError::bad_request("only n = 1 is supported", Some("n")));
+    }
+    let span = info_span!("gateway.completions", gen_ai.request.model = %r.model, gen_ai.operation.name = "text_completion");
+    async move {
+        let tier = state.find_tier(&r.model)?;
+        let permit = state.permit()?;
+        let prompt = match &r.prompt {
+            Value::String(s) => tokenize(&tier, s.clone()).await?,
+            Value::Array(a) if a.len() == 1 && a[0].is_string() => tokenize(&tier, a[0].as_str().unwrap_or("").to_owned()).await?,
+            Value::Array(a) if !a.is_empty() && a.iter().all(Value::is_i64) => a.iter().filter_map(Value::as_i64).map(|t| t as i32).collect(),
+            _ => return Err(ApiError::bad_request("prompt must be a string, a one-element list of strings, or a list of token ids", Some("prompt"))),
+        };
+        let max_tokens = budget(state, &tier, prompt.len(), r.max_tokens)?;
+        let req = GenerateRequest {
+            prompt,
+            max_tokens,
+            sampling: sampling(r.temperature, r.top_p, r.top_k, r.seed)?,
+            stop: r.stop.clone().map(StopField::into_vec).unwrap_or_default(),
+            ignore_eos: r.ignore_eos,
+            ..Default::default()
+        };
+        let job = Job { tier, model: r.model.clone(), req, _permit: permit };
+        let rx = submit(state, &job).await?;
+        let mut timed = Timed { rx, model: job.model.clone(), metrics: state.metrics.clone(), arrived, last: None, queued_ms: 0 };
+        if !r.stream {
+            let c = collect(timed).await?;
+            return Ok(Json(json!({
+                "id": new_id("cmpl"), "object": "text_completion", "created": now_s(), "model": job.model,
+                "choices": [{"index": 0, "text": c.text, "finish_reason": finish_str(c.finish), "logprobs": null}],
+                "usage": c.usage,
+                "mesh": MeshInfo { tier: job.model.clone(), queued_ms: c.queued_ms },
+            }))
+            .into_response());
+        }
+        let include_usage = r.stream_options.as_ref().is_some_and(|o| o.include_usage);
+        let (tx, rx) = mpsc::channel::<Result<Event, Infallible>>(64);
+        let (id, created, model) = (new_id("cmpl"), now_s(), job.model.clone());
+        tokio::spawn(async move {
+            let _job = job;
+            let chunk = |text: &str, finish: Option<&str>| {
+                json!({"id": id, "object": "text_completion", "created": created, "model": model,
+                       "choices": [{"index": 0, "text": text, "finish_reason": finish, "logprobs": null}]})
+            };
+            while let Some(ev) = timed.next().await {
+                match ev {
+                    TokenEvent::Started { .. } => {}
+                    TokenEvent::Token { text, .. } => {
+                        if tx.send(sse_data(&chunk(&text, None))).await.is_err() {
+                            return;
+                        }
+                    }
+                    TokenEvent::Done { finish, usage, tail } => {
+                        let _ = tx.send(sse_data(&chunk(&tail, Some(finish_str(finish))))).await;
+                        if include_usage {
+                            let mut last = chunk("", None);
+                            last["choices"] = json!([]);
+                            last["usage"] = serde_json::to_value(OutUsage::from(usage)).expect("serializable");
+                            let _ = tx.send(sse_data(&last)).await;
+                        }
+                        let _ = tx.send(Ok(Event::default().data("[DONE]"))).await;
+                        return;
+                    }
+                    TokenEvent::Error(e) => {
+                        let _ = tx.send(sse_data(&json!({"error": {"message": e, "type": "server_error"}}))).await;
+                        return;
+                    }
+                }
+            }
+        });
+        Ok(Sse::new(ReceiverStream::new(rx)).keep_alive(KeepAlive::default()).into_response())
+    }
+    .instrument(span)
+    .await
+}
+
+// ---------------------------------------------------------------------------
+// Models, health, metrics
+
+async fn models(State(state): State<AppState>) -> Json<Value> {
+    let mut data: Vec<Value> = state
+        .registry
+        .iter()
+        .map(|e| {
+            let i = &e.value().desc.info;
+            json!({"id": i.name, "object": "model", "created": 0, "owned_by": "mesh",
+                   "meta": {"n_params": i.n_params, "n_ctx_train": i.n_ctx_train, "max_seq_len": i.max_seq_len,
+                            "n_seq_max": i.n_seq_max, "size_bytes": i.size_bytes}})
+        })
+        .collect();
+    data.sort_by(|a, b| a["id"].as_str().cmp(&b["id"].as_str()));
+    Json(json!({"object": "list", "data": data}))
+}
+
+async fn ready(State(state): State<AppState>) -> Response {
+    let missing: Vec<&String> = state
+        .settings
+        .expected_tiers
+        .iter()
+        .filter(|t| !state.registry.contains_key(*t))
+        .collect();
+    if missing.is_empty() {
+        Json(json!({"status": "ready"})).into_response()
+    } else {
+        (
+            StatusCode::SERVICE_UNAVAILABLE,
+            Json(json!({"status": "starting", "missing_tiers": missing})),
+        )
+            .into_response()
+    }
+}
+
+async fn metrics(State(state): State<AppState>) -> Response {
+    let engines: Vec<(String, Arc<mesh_tiers::EngineStats>)> = state
+        .registry
+        .iter()
+        .map(|e| (e.key().clone(), e.value().desc.stats.clone()))
+        .collect();
+    (
+        [(
+            header::CONTENT_TYPE,
+            "text/plain; version=0.0.4; charset=utf-8",
+        )],
+        state.metrics.render(&engines),
+    )
+        .into_response()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn run(parts: &[&str]) -> Vec<Piece> {
+        let mut s = StreamSplitter::default();
+        let mut out: Vec<Piece> = parts.iter().flat_map(|p| s.push(p)).collect();
+        out.extend(s.finish());
+        // merge adjacent pieces of the same kind for stable comparisons
+        let mut merged: Vec<Piece> = Vec::new();
+        for p in out {
+            match (merged.last_mut(), p) {
+                (Some(Piece::Content(a)), Piece::Content(b)) => a.push_str(&b),
+                (Some(Piece::Reasoning(a)), Piece::Reasoning(b)) => a.push_str(&b),
+                (_, p) => merged.push(p),
+            }
+        }
+        merged
+    }
+
+    #[test]
+    fn splitter_separates_reasoning_calls_and_content() {
+        let got = run(&[
+            "<thi",
+            "nk>a + b",
+            "</think><tool_call>{\"name\"",
+            ": \"f\"}</tool_call>",
+            "done",
+        ]);
+        assert_eq!(
+            got,
+            vec![
+                Piece::Reasoning("a + b".into()),
+                Piece::Call("{\"name\": \"f\"}".into()),
+                Piece::Content("done".into())
+            ]
+        );
+    }
+
+    #[test]
+    fn splitter_holds_partial_markers_only() {
+        let mut s = StreamSplitter::default();
+        assert_eq!(s.push("hello <"), vec![Piece::Content("hello ".into())]);
+        assert_eq!(s.push("b"), vec![Piece::Content("<b".into())]);
+    }
+
+    #[test]
+    fn unterminated_call_becomes_content() {
+        assert_eq!(
+            run(&["<tool_call>{\"na"]),
+            vec![Piece::Content("<tool_call>{\"na".into())]
+        );
+    }
+
+    #[test]
+    fn tool_choice_none_hides_tools() {
+        let tools = vec![ToolSpec {
+            name: "f".into(),
+            description: String::new(),
+            parameters: json!({"type": "object"}),
+        }];
+        let (shown, g) = tool_plan(tools.clone(), Some(&json!("none"))).unwrap();
+        assert!(shown.is_empty() && g.is_none());
+        let (shown, g) = tool_plan(tools.clone(), None).unwrap();
+        assert_eq!(shown.len(), 1);
+        assert!(g.unwrap().1, "auto uses a lazy grammar");
+        let (_, g) = tool_plan(
+            tools.clone(),
+            Some(&json!({"type": "function", "function": {"name": "f"}})),
+        )
+        .unwrap();
+        assert!(!g.unwrap().1, "a named tool is forced");
+        assert!(tool_plan(
+            tools,
+            Some(&json!({"type": "function", "function": {"name": "zzz"}}))
+        )
+        .is_err());
+    }
+}

@@ -1,0 +1,601 @@
+#!/usr/bin/env python3
+"""Greedy references for the bundled tiers, recomputed from the committed GGUFs.
+
+The fp32 PyTorch checkpoints are gone, but every weight the runtime uses is in
+`models/<tier>-q8_0.gguf`. This script reads a GGUF, rebuilds the PyTorch model
+of `train.py` with the dequantized weights and adds two greedy continuations
+to each case of `models/fixtures/greedy-<tier>.json` (the existing "fp32" and
+"q8" fields are kept as they are):
+
+* "q8w":  plain fp32 PyTorch on the q8_0 weights (`train.greedy`).
+* "ggml": the same weights with llama.cpp's CPU arithmetic (x86 AVX2 build,
+  flash attention, f16 KV cache, the context parameters of
+  `tiers/tests/bundled_models.rs`: n_ubatch 512, 2 threads) emulated:
+  - every q8_0 matmul quantizes its input activations to q8_0 like
+    `quantize_row_q8_0` (blocks of 32, d = amax/127 stored as f16,
+    q = round-half-even(x * 127/amax)) and computes sum(qa*qb) * (da*db);
+  - K and V are rounded to f16 when they enter the cache;
+  - flash attention mirrors `ggml_compute_forward_flash_attn_ext_f16`: the
+    tiled f32 kernel for ubatches of >= 64 tokens (Q in f32, K/V from f16,
+    online softmax per 64-key tile with ggml's vectorized expf), the one-row
+    kernel otherwise (Q rounded to f16, f16 dot products with ggml's lane
+    order, the V accumulator kept in f16, scalar expf), and for single-token
+    decodes over >= 512 cache cells the per-thread KV split and its f32 merge;
+  - RMSNorm, RoPE (angles by repeated f32 multiplication) and SwiGLU (ggml's
+    vectorized expf) follow the ggml CPU ops.
+  What is not mirrored bit for bit is the f32 accumulation order inside the
+  q8_0 dot products and the f32 attention GEMMs (computed in float64 here and
+  rounded once); those differ from ggml by a few ulp.
+  "ggml_gap" holds, per generated token, the emulated top-1 minus top-2 logit.
+
+    python3 models/recipe/reference.py                 # all tiers
+    python3 models/recipe/reference.py --tier t1
+    python3 models/recipe/reference.py --tier t2 --cases 3,17 --no-write
+
+Runs on CPU with one thread and is deterministic.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import numpy as np
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+import ggufw  # noqa: E402
+from train import TIERS, TierConfig, build_model, greedy  # noqa: E402
+
+MODELS = os.path.join(HERE, "..")
+FIXTURES = os.path.join(HERE, "..", "fixtures")
+
+# llama.cpp context parameters used by tiers/tests/bundled_models.rs.
+N_UBATCH = 512
+N_THREADS = 2
+N_CTX = 2048
+KV_PAD = 256  # llama_kv_cache::get_n_kv pads the used cells to a multiple of 256
+FA_TILE_Q = 64  # GGML_FA_TILE_Q
+FA_TILE_KV = 64  # GGML_FA_TILE_KV
+FA_SPLIT_KV_MIN = 512  # single-token decodes over >= 512 cells split the KV range per thread
+
+# ---------------------------------------------------------------------------
+# GGUF -> PyTorch
+
+
+def tier_config(meta: dict) -> TierConfig:
+    """The TierConfig described by a GGUF's llama.* metadata."""
+    name = str(meta.get("general.name", "")).removeprefix("mesh-")
+    known = TIERS.get(name)
+    dim = int(meta["llama.embedding_length"])
+    heads = int(meta["llama.attention.head_count"])
+    cfg = TierConfig(
+        name=name,
+        dim=dim,
+        layers=int(meta["llama.block_count"]),
+        heads=heads,
+        kv_heads=int(meta["llama.attention.head_count_kv"]),
+        ffn=int(meta["llama.feed_forward_length"]),
+        lr=known.lr if known else 0.0,
+        batch=known.batch if known else 0,
+        vocab=int(meta.get("llama.vocab_size", len(meta["tokenizer.ggml.tokens"]))),
+        ctx=int(meta["llama.context_length"]),
+        rope_base=float(meta["llama.rope.freq_base"]),
+        eps=float(meta["llama.attention.layer_norm_rms_epsilon"]),
+    )
+    if int(meta.get("llama.rope.dimension_count", dim // heads)) != dim // heads:
+        raise ValueError("partial rotary embeddings are not supported")
+    return cfg
+
+
+# train.gguf_tensors, inverted: GGUF name suffix -> state_dict name suffix.
+_BLOCK_NAMES = {
+    "attn_norm.weight": "attn_norm.weight", "attn_q.weight": "wq.weight", "attn_k.weight": "wk.weight",
+    "attn_v.weight": "wv.weight", "attn_output.weight": "wo.weight", "ffn_norm.weight": "ffn_norm.weight",
+    "ffn_gate.weight": "w_gate.weight", "ffn_up.weight": "w_up.weight", "ffn_down.weight": "w_down.weight",
+}
+
+
+def state_dict_from_gguf(tensors: dict) -> dict:
+    import torch
+
+    sd = {}
+    for name, (arr, _) in tensors.items():
+        if name == "token_embd.weight":
+            key = "tok.weight"
+        elif name == "output_norm.weight":
+            key = "norm.weight"
+        elif name.startswith("blk."):
+            _, i, rest = name.split(".", 2)
+            key = f"blocks.{int(i)}.{_BLOCK_NAMES[rest]}"
+        else:
+            raise ValueError(f"unexpected tensor {name}")
+        sd[key] = torch.from_numpy(np.ascontiguousarray(arr, dtype=np.float32))
+    return sd
+
+
+def load_model(path: str):
+    """(model, cfg, metadata) for a GGUF written by train.export_gguf."""
+    import torch
+
+    meta, tensors = ggufw.read_gguf(path)
+    if meta.get("general.architecture") != "llama":
+        raise ValueError(f"{path}: not a llama GGUF")
+    cfg = tier_config(meta)
+    model = build_model(cfg)
+    model.load_state_dict(state_dict_from_gguf(tensors), strict=True)
+    model.eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.requires_grad_(False)
+    return model, cfg, meta
+
+
+# ---------------------------------------------------------------------------
+# ggml arithmetic helpers (torch tensors, float32 unless noted)
+
+
+def _f16(x):
+    """Round float32 values to f16 (round to nearest even, as F16C does)."""
+    import torch
+
+    return x.to(torch.float16).to(torch.float32)
+
+
+def _fma(a, b, c):
+    """f32 fused multiply-add: the product is exact in float64, one final rounding to f32."""
+    import torch
+
+    a = a.double() if isinstance(a, torch.Tensor) else float(a)
+    b = b.double() if isinstance(b, torch.Tensor) else float(b)
+    c = c.double() if isinstance(c, torch.Tensor) else float(c)
+    return (a * b + c).float()
+
+
+def _expf(x):
+    """libm expf (correctly rounded in all but rare cases)."""
+    return x.double().exp().float()
+
+
+def _bits(x):
+    import torch
+
+    return x.contiguous().view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+
+
+def _from_bits(u):
+    import torch
+
+    u = u & 0xFFFFFFFF
+    return torch.where(u >= 2**31, u - 2**32, u).to(torch.int32).view(torch.float32)
+
+
+def _c(h: str):
+    import torch
+
+    return torch.tensor(float.fromhex(h), dtype=torch.float32)
+
+
+def v_expf(x):
+    """ggml_v_expf (AVX2 + FMA), element for element."""
+    import torch
+
+    r = _c("0x1.8p23")
+    z = _fma(x, _c("0x1.715476p+0"), r)
+    n = z - r
+    b = _fma(-n, _c("0x1.7f7d1cp-20"), _fma(-n, _c("0x1.62e4p-1"), x))
+    e = (_bits(z) << 23) & 0xFFFFFFFF
+    k = _from_bits(e + 0x3F800000)
+    c = n.abs() > 126
+    u = b * b
+    j = _fma(_fma(_fma(_c("0x1.0e4020p-7"), b, _c("0x1.573e2ep-5")), u,
+                  _fma(_c("0x1.555e66p-3"), b, _c("0x1.fffdb6p-2"))),
+             u, _c("0x1.ffffecp-1") * b)
+    normal = _fma(j, k, k)
+    if not bool(c.any()):
+        return normal
+    g = torch.where(n <= 0, torch.tensor(0x82000000, dtype=torch.int64), torch.tensor(0, dtype=torch.int64))
+    s1 = _from_bits(g + 0x7F000000)
+    s2 = _from_bits(e - g)
+    d = n.abs() > 192
+    return torch.where(d, s1 * s1, torch.where(c, _fma(s2, j, s2) * s1, normal))
+
+
+def silu_mul(gate, up):
+    """ggml_vec_swiglu_f32: x / (1 + expf(-x)) * g with the vectorized expf."""
+    return gate / (1.0 + v_expf(-gate)) * up
+
+
+def rms_norm(x, w, eps: float):
+    """ggml_compute_forward_rms_norm_f32 (+ the weight multiply)."""
+    import torch
+
+    mean = ((x * x).double().sum(-1, keepdim=True) / x.shape[-1]).float()
+    scale = 1.0 / torch.sqrt(mean + torch.tensor(eps, dtype=torch.float32))
+    return x * scale * w
+
+
+def quantize_act_q8_0(x):
+    """quantize_row_q8_0 (x86 AVX2) on the rows of x: returns the dequantized values q * f16(d)."""
+    import torch
+
+    shape = x.shape
+    blocks = x.reshape(-1, shape[-1] // ggufw.QK8_0, ggufw.QK8_0)
+    amax = blocks.abs().amax(-1, keepdim=True)
+    d = _f16(amax / 127.0)
+    idm = torch.where(amax != 0, 127.0 / torch.where(amax != 0, amax, torch.ones_like(amax)), torch.zeros_like(amax))
+    q = torch.round(blocks * idm)  # _mm256_round_ps(_MM_ROUND_NEAREST): ties to even
+    return (q * d).reshape(shape)
+
+
+def vec_dot_f16(q, k):
+    """ggml_vec_dot_f16 (AVX2 + F16C) of f16-valued rows: q (..., D) against k (..., D).
+
+    Four accumulators of eight f32 lanes, FMA over D/32 steps, then ggml's
+    reduction tree. Products of two f16 values are exact in f32.
+    """
+    D = q.shape[-1]
+    assert D % 32 == 0, D
+    p = q * k
+    p = p.reshape(*p.shape[:-1], D // 32, 4, 8)
+    acc = p[..., 0, :, :]
+    for it in range(1, D // 32):
+        acc = acc + p[..., it, :, :]
+    x0 = acc[..., 0, :] + acc[..., 2, :]
+    x1 = acc[..., 1, :] + acc[..., 3, :]
+    x0 = x0 + x1
+    t0 = x0[..., :4] + x0[..., 4:]
+    return (t0[..., 0] + t0[..., 1]) + (t0[..., 2] + t0[..., 3])
+
+
+def online_softmax_f16(s, V):
+    """The per-row kernel of ggml's CPU flash attention with an F16 V cache.
+
+    s: (B, L) f32 scores (already scaled; -inf = masked, skipped), V: (B, L, D)
+    f16-valued rows. Walks the keys in order like
+    ggml_compute_forward_flash_attn_ext_f16_one_chunk: running max M, sum S
+    (f32) and a V accumulator stored in f16 after every scale and every
+    multiply-add. Returns (M, S, VKQ) as numpy float32 arrays.
+    """
+    import torch
+
+    B, L = s.shape
+    D = V.shape[-1]
+    neg = torch.full((B, 1), float("-inf"))
+    mprev = torch.cat([neg, torch.cummax(s, dim=1).values[:, :-1]], 1)
+    valid = s > float("-inf")
+    new = s > mprev
+    ms = torch.where(new, _expf(mprev - s), torch.ones_like(s))
+    safe = torch.where(valid & ~new, s - mprev, torch.zeros_like(s))
+    vs = torch.where(new, torch.ones_like(s), torch.where(valid, _expf(safe), torch.zeros_like(s)))
+    ms_n, vs_n = ms.double().numpy(), vs.double().numpy()
+    any_new = new.any(0).numpy()
+    any_valid = valid.any(0).numpy()
+    Vn = V.double().numpy()
+    y = np.zeros((B, D), dtype=np.float64)
+    S = np.zeros(B, dtype=np.float64)
+    for i in range(L):
+        if not any_valid[i]:
+            continue
+        if any_new[i]:
+            y = (y * ms_n[:, i, None]).astype(np.float32).astype(np.float16).astype(np.float64)
+        y = (Vn[:, i] * vs_n[:, i, None] + y).astype(np.float32).astype(np.float16).astype(np.float64)
+        S = (S * ms_n[:, i] + vs_n[:, i]).astype(np.float32).astype(np.float64)
+    M = torch.where(valid.any(1), s.max(1).values, torch.full((B,), float("-inf"))).numpy()
+    return M.astype(np.float32), S.astype(np.float32), y.astype(np.float32)
+
+
+# ---------------------------------------------------------------------------
+# llama.cpp CPU emulation
+
+
+class GgmlCpu:
+    """Greedy decoding of the tier model with llama.cpp's CPU arithmetic (see module docstring)."""
+
+    def __init__(self, model, cfg: TierConfig, n_ubatch: int = N_UBATCH, n_threads: int = N_THREADS,
+                 n_ctx: int = N_CTX):
+        import torch
+
+        self.cfg = cfg
+        self.hd = cfg.dim // cfg.heads
+        self.n_ubatch, self.n_threads, self.n_ctx = n_ubatch, n_threads, n_ctx
+        sd = model.state_dict()
+        self.tok = sd["tok.weight"].float()
+        self.tok64 = self.tok.double()
+        self.norm = sd["norm.weight"].float()
+        self.layers = []
+        for i in range(cfg.layers):
+            g = lambda n: sd[f"blocks.{i}.{n}"]  # noqa: E731
+            self.layers.append({
+                "attn_norm": g("attn_norm.weight").float(), "ffn_norm": g("ffn_norm.weight").float(),
+                **{n: g(f"{n}.weight").double() for n in ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")},
+            })
+        self.eps = float(np.float32(cfg.eps))
+        self.scale = float(np.float32(1.0) / np.sqrt(np.float32(self.hd)))
+        # ggml_rope_cache_init: theta_scale = powf(freq_base, -2/n_dims), theta *= theta_scale per pair.
+        self.theta_scale = torch.tensor(np.float32(np.float64(np.float32(cfg.rope_base))
+                                                   ** np.float64(np.float32(-2.0) / np.float32(self.hd))))
+
+    # --- ops ----------------------------------------------------------------
+    def mm(self, x, w64):
+        """q8_0 weight x f32 activations: activations quantized to q8_0, exact block products."""
+        return (quantize_act_q8_0(x).double() @ w64.T).float()
+
+    def rope(self, x, pos):
+        """ggml rope, normal mode (adjacent pairs), x: (T, H, D), pos: (T,) int."""
+        import torch
+
+        half = self.hd // 2
+        theta = pos.to(torch.float32)
+        thetas = []
+        for _ in range(half):
+            thetas.append(theta)
+            theta = theta * self.theta_scale
+        th = torch.stack(thetas, -1).double()
+        cos, sin = th.cos().float()[:, None, :], th.sin().float()[:, None, :]
+        x0, x1 = x[..., 0::2], x[..., 1::2]
+        out = torch.stack([x0 * cos - x1 * sin, x0 * sin + x1 * cos], -1)
+        return out.reshape(x.shape)
+
+    def n_kv(self, used: int) -> int:
+        return min(self.n_ctx, max(KV_PAD, (used + KV_PAD - 1) // KV_PAD * KV_PAD))
+
+    def attn_tiled(self, q, K, V, pos, n_kv):
+        """ggml_compute_forward_flash_attn_ext_tiled: q (R, H, D) f32, K/V (n_kv, Hkv, D) f16-valued."""
+        import torch
+
+        rep = self.cfg.heads // self.cfg.kv_heads
+        R, H, D = q.shape
+        Kh = K[:n_kv].transpose(0, 1).repeat_interleave(rep, 0).double()  # (H, n, D)
+        Vh = V[:n_kv].transpose(0, 1).repeat_interleave(rep, 0).double()
+        qh = q.transpose(0, 1).double()  # (H, R, D)
+        kq = (qh @ Kh.transpose(1, 2)).float() * self.scale  # (H, R, n)
+        visible = torch.arange(n_kv)[None, :] <= pos[:, None]  # causal, also hides unused cells
+        kq = kq.masked_fill(~visible[None], float("-inf"))
+        M = torch.full((H, R), float("-inf"))
+        S = torch.zeros((H, R))
+        acc = torch.zeros((H, R, D))
+        for t0 in range(0, n_kv, FA_TILE_KV):
+            t = kq[:, :, t0:t0 + FA_TILE_KV]
+            if t.shape[-1] < FA_TILE_KV:
+                t = torch.nn.functional.pad(t, (0, FA_TILE_KV - t.shape[-1]), value=float("-inf"))
+            tmax = t.amax(-1)
+            skip = tmax == float("-inf")
+            if bool(skip.all()):
+                continue
+            mnew = torch.maximum(M, tmax)
+            upd = (mnew > M) & ~skip
+            ms = _expf(torch.where(upd, M - mnew, torch.zeros_like(M)))
+            acc = torch.where(upd[..., None], acc * ms[..., None], acc)
+            S = torch.where(upd, S * ms, S)
+            M = torch.where(skip, M, mnew)
+            p = v_expf(t - torch.where(skip, torch.zeros_like(M), M)[..., None])
+            p = torch.where(skip[..., None], torch.zeros_like(p), p)
+            g = p.reshape(H, R, FA_TILE_KV // 8, 8)
+            a = g[..., 4:] + g[..., :4]
+            part = (a[..., 0] + a[..., 2]) + (a[..., 1] + a[..., 3])
+            S = torch.where(skip, S, (S.double() + part.double().sum(-1)).float())
+            vt = Vh[:, t0:t0 + FA_TILE_KV]
+            n = vt.shape[1]
+            acc = (acc.double() + p[..., :n].double() @ vt).float()
+        inv = torch.where(S == 0, torch.zeros_like(S), 1.0 / S)
+        return (acc * inv[..., None]).transpose(0, 1)  # (R, H, D)
+
+    def _chunk_streams(self, q, K, V, pos, lo, hi):
+        """Scores and V rows of the one-row kernel for keys [lo, hi): (R*H, hi-lo) and (R*H, hi-lo, D)."""
+        import torch
+
+        rep = self.cfg.heads // self.cfg.kv_heads
+        R, H, D = q.shape
+        qh = _f16(q)  # Q converted to the K type (F16)
+        Kc = K[lo:hi].transpose(0, 1).repeat_interleave(rep, 0)  # (H, L, D)
+        Vc = V[lo:hi].transpose(0, 1).repeat_interleave(rep, 0)
+        s = vec_dot_f16(qh.transpose(0, 1)[:, :, None, :], Kc[:, None, :, :]) * self.scale  # (H, R, L)
+        visible = torch.arange(lo, hi)[None, :] <= pos[:, None]  # (R, L)
+        s = s.masked_fill(~visible[None], float("-inf"))
+        L = hi - lo
+        return s.reshape(H * R, L), Vc[:, None].expand(H, R, L, D).reshape(H * R, L, D)
+
+    def attn_one_chunk(self, q, K, V, pos, n_kv):
+        """ggml_compute_forward_flash_attn_ext_f16_one_chunk over all keys, normalized: (R, H, D)."""
+        import torch
+
+        R, H, D = q.shape
+        outs = []
+        step = 8
+        for r0 in range(0, R, step):
+            qs, ps = q[r0:r0 + step], pos[r0:r0 + step]
+            hi = min(n_kv, int(ps.max()) + 1)
+            s, v = self._chunk_streams(qs, K, V, ps, 0, hi)
+            _, S, y = online_softmax_f16(s, v)
+            y = torch.from_numpy(y)
+            S = torch.from_numpy(S)
+            inv = torch.where(S == 0, torch.zeros_like(S), 1.0 / S)
+            outs.append((y * inv[:, None]).reshape(H, -1, D).transpose(0, 1))
+        return torch.cat(outs, 0)
+
+    def attn_split(self, q, K, V, pos, n_kv):
+        """Single-token decode over >= 512 cells: per-thread KV chunks, then ggml_flash_attn_ext_reduce_partials."""
+        import torch
+
+        R, H, D = q.shape
+        assert R == 1
+        cs = (n_kv + self.n_threads - 1) // self.n_threads
+        used = int(pos.max()) + 1
+        chunks = [(lo, min(lo + cs, n_kv)) for lo in range(0, n_kv, cs)]
+        chunks = [(lo, min(hi, used)) for lo, hi in chunks if lo < used]
+        L = max(hi - lo for lo, hi in chunks)
+        ss, vv = [], []
+        for lo, hi in chunks:
+            s, v = self._chunk_streams(q, K, V, pos, lo, hi)
+            if hi - lo < L:
+                s = torch.nn.functional.pad(s, (0, L - (hi - lo)), value=float("-inf"))
+                v = torch.nn.functional.pad(v, (0, 0, 0, L - (hi - lo)))
+            ss.append(s)
+            vv.append(v)
+        M, S, y = online_softmax_f16(torch.cat(ss, 0), torch.cat(vv, 0))
+        B = H * R
+        Mf = np.full(B, -np.inf, dtype=np.float32)
+        Sf = np.zeros(B, dtype=np.float32)
+        yf = np.zeros((B, D), dtype=np.float32)
+        for c in range(len(chunks)):
+            Mc, Sc, yc = M[c * B:(c + 1) * B], S[c * B:(c + 1) * B], y[c * B:(c + 1) * B]
+            live = Sc != 0
+            mnew = np.maximum(Mf, Mc)
+            with np.errstate(invalid="ignore"):
+                so = np.exp((Mf - mnew).astype(np.float64)).astype(np.float32)
+                sn = np.exp((Mc - mnew).astype(np.float64)).astype(np.float32)
+            so = np.where(np.isnan(so), np.float32(0), so)
+            ynew = (yf.astype(np.float64) * so[:, None] + (yc * sn[:, None]).astype(np.float64)).astype(np.float32)
+            snew = (Sf.astype(np.float64) * so + (Sc * sn).astype(np.float64)).astype(np.float32)
+            yf = np.where(live[:, None], ynew, yf)
+            Sf = np.where(live, snew, Sf)
+            Mf = np.where(live, mnew, Mf)
+        inv = np.where(Sf != 0, np.float32(1.0) / np.where(Sf != 0, Sf, np.float32(1.0)), np.float32(0.0))
+        out = yf * inv[:, None]
+        return torch.from_numpy(out.astype(np.float32)).reshape(H, R, D).transpose(0, 1)
+
+    def attention(self, q, K, V, pos, used):
+        n_kv = self.n_kv(used)
+        R = q.shape[0]
+        if R == 1 and n_kv >= FA_SPLIT_KV_MIN:
+            return self.attn_split(q, K, V, pos, n_kv)
+        if R >= FA_TILE_Q:
+            return self.attn_tiled(q, K, V, pos, n_kv)
+        return self.attn_one_chunk(q, K, V, pos, n_kv)
+
+    # --- model ----------------------------------------------------------------
+    def new_cache(self):
+        import torch
+
+        shape = (self.n_ctx, self.cfg.kv_heads, self.hd)
+        return [(torch.zeros(shape), torch.zeros(shape)) for _ in range(self.cfg.layers)]
+
+    def ubatch(self, cache, ids, start: int, want_logits: bool):
+        """One llama_decode ubatch at positions start.. ; logits of its last token (or None)."""
+        import torch
+
+        cfg, hd = self.cfg, self.hd
+        T = len(ids)
+        pos = torch.arange(start, start + T)
+        x = self.tok[torch.tensor(ids)]
+        for li, L in enumerate(self.layers):
+            last = li == cfg.layers - 1
+            h = rms_norm(x, L["attn_norm"], self.eps)
+            q = self.rope(self.mm(h, L["wq"]).view(T, cfg.heads, hd), pos)
+            k = self.rope(self.mm(h, L["wk"]).view(T, cfg.kv_heads, hd), pos)
+            v = self.mm(h, L["wv"]).view(T, cfg.kv_heads, hd)
+            K, V = cache[li]
+            K[start:start + T] = _f16(k)
+            V[start:start + T] = _f16(v)
+            a = self.attention(q, K, V, pos, start + T)
+            if last:  # llama.cpp keeps only the output rows from here on
+                if not want_logits:
+                    return None
+                a, x = a[-1:], x[-1:]
+            x = x + self.mm(a.reshape(a.shape[0], -1), L["wo"])
+            h = rms_norm(x, L["ffn_norm"], self.eps)
+            x = x + self.mm(silu_mul(self.mm(h, L["w_gate"]), self.mm(h, L["w_up"])), L["w_down"])
+        h = rms_norm(x, self.norm, self.eps)
+        return self.mm(h, self.tok64)[-1]
+
+    def prefill(self, cache, ids):
+        logits = None
+        for s0 in range(0, len(ids), self.n_ubatch):
+            chunk = ids[s0:s0 + self.n_ubatch]
+            logits = self.ubatch(cache, chunk, s0, s0 + len(chunk) == len(ids))
+        return logits
+
+    def greedy(self, prompt_ids, end_id: int, max_new: int):
+        """(tokens, top-1 minus top-2 logit gap per token)."""
+        cache = self.new_cache()
+        logits = self.prefill(cache, list(prompt_ids))
+        out, gaps = [], []
+        pos = len(prompt_ids)
+        for _ in range(max_new):
+            top = logits.topk(2)
+            t = int(logits.argmax())
+            out.append(t)
+            gaps.append(float(top.values[0] - top.values[1]))
+            if t == end_id or pos >= self.n_ctx:
+                break
+            logits = self.ubatch(cache, [t], pos, True)
+            pos += 1
+        return out, gaps
+
+
+# ---------------------------------------------------------------------------
+
+
+def run_tier(tier: str, models: str, fixtures: str, modes: list[str], cases: list[int] | None,
+             write: bool) -> None:
+    import torch
+
+    path = os.path.join(fixtures, f"greedy-{tier}.json")
+    with open(path) as f:
+        fx = json.load(f)
+    model, cfg, meta = load_model(os.path.join(models, f"{tier}-q8_0.gguf"))
+    end_id = int(meta["tokenizer.ggml.eos_token_id"])
+    max_new = int(fx["max_new"])
+    emu = GgmlCpu(model, cfg)
+    idx = cases if cases is not None else list(range(len(fx["cases"])))
+    t0 = time.time()
+    agree = {m: 0 for m in modes}
+    for n, i in enumerate(idx):
+        case = fx["cases"][i]
+        ids = case["prompt_ids"]
+        if "q8w" in modes:
+            case["q8w"] = greedy(model, ids, torch.device("cpu"), end_id, max_new)
+        if "ggml" in modes:
+            toks, gaps = emu.greedy(ids, end_id, max_new)
+            case["ggml"] = toks
+            case["ggml_gap"] = [round(g, 6) for g in gaps]
+        for m in modes:
+            agree[m] += case[m] == case["fp32"]
+        line = f"[{tier}] case {i} ({n + 1}/{len(idx)}, {time.time() - t0:.0f}s)"
+        for m in modes:
+            line += f" {m}{'=' if case[m] == case['fp32'] else '!'}fp32"
+        if "ggml" in modes:
+            line += f" min-gap {min(case['ggml_gap']):.4g}"
+        print(line, flush=True)
+    summary = ", ".join(f"{m} == fp32 on {agree[m]}/{len(idx)}" for m in modes)
+    if "ggml" in modes and "q8w" in modes:
+        summary += f", ggml == q8w on {sum(fx['cases'][i]['ggml'] == fx['cases'][i]['q8w'] for i in idx)}/{len(idx)}"
+    print(f"[{tier}] {summary}", flush=True)
+    if write:
+        if cases is not None:
+            print(f"[{tier}] --cases given: {path} not written", flush=True)
+            return
+        with open(path, "w") as f:
+            json.dump(fx, f, separators=(",", ":"))
+        print(f"[{tier}] wrote {path}", flush=True)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tier", action="append", choices=sorted(TIERS), help="tier(s) to process (default: all)")
+    ap.add_argument("--models", default=MODELS, help="folder with <tier>-q8_0.gguf")
+    ap.add_argument("--fixtures", default=FIXTURES, help="folder with greedy-<tier>.json")
+    ap.add_argument("--modes", default="ggml,q8w", help="comma-separated subset of ggml,q8w")
+    ap.add_argument("--cases", default=None, help="comma-separated case indices (implies no write)")
+    ap.add_argument("--no-write", action="store_true", help="print agreement only, leave the fixtures alone")
+    ap.add_argument("--threads", type=int, default=1, help="torch CPU threads")
+    a = ap.parse_args()
+    import torch
+
+    torch.set_num_threads(a.threads)
+    torch.use_deterministic_algorithms(True)
+    modes = [m for m in a.modes.split(",") if m]
+    for m in modes:
+        if m not in ("ggml", "q8w"):
+            ap.error(f"unknown mode {m}")
+    cases = [int(c) for c in a.cases.split(",")] if a.cases else None
+    for tier in a.tier or sorted(TIERS):
+        run_tier(tier, a.models, a.fixtures, modes, cases, not a.no_write)
+
+
+if __name__ == "__main__":
+    main()

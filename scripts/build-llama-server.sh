@@ -1,0 +1,101 @@
+#!/usr/bin/env bash
+# Build llama.cpp's own `llama-server` for side-by-side benchmarks.
+#
+# Source: the llama-cpp-python 0.3.36 sdist from PyPI, which carries the full
+# llama.cpp tree under vendor/llama.cpp (tools/server included).
+# Result: .cache/llama-server/bin/llama-server, its `--version` output in
+# .cache/llama-server/VERSION. Skipped when the binary is already there.
+#
+# Environment:
+#   MESH_LLAMA_SERVER_JOBS   parallel build jobs (default 2)
+#   MESH_LLAMA_SDIST         path to a llama_cpp_python-0.3.36.tar.gz to use
+#                            instead of downloading one
+set -euo pipefail
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$ROOT"
+
+VERSION_PIN="0.3.36"
+SDIST_NAME="llama_cpp_python-${VERSION_PIN}.tar.gz"
+SRC_DIR="$ROOT/.cache/src"
+SDIST="$SRC_DIR/$SDIST_NAME"
+TREE="$SRC_DIR/llama_cpp_python-${VERSION_PIN}/vendor/llama.cpp"
+OUT_DIR="$ROOT/.cache/llama-server"
+BUILD_DIR="$OUT_DIR/build"
+BIN="$OUT_DIR/bin/llama-server"
+JOBS="${MESH_LLAMA_SERVER_JOBS:-2}"
+
+say() { printf '[llama-server] %s\n' "$*"; }
+die() { printf '[llama-server] error: %s\n' "$*" >&2; exit 1; }
+
+write_version() {
+    # llama-server prints its version on stderr.
+    "$BIN" --version >"$OUT_DIR/VERSION.tmp" 2>&1 || true
+    mv "$OUT_DIR/VERSION.tmp" "$OUT_DIR/VERSION"
+}
+
+if [[ -x "$BIN" ]]; then
+    [[ -s "$OUT_DIR/VERSION" ]] || write_version
+    say "cached: $BIN ($(grep -m1 -i version "$OUT_DIR/VERSION" || echo 'version unknown'))"
+    exit 0
+fi
+
+for tool in cmake c++ tar; do
+    command -v "$tool" >/dev/null 2>&1 || die "'$tool' not found (run scripts/setup.sh first)"
+done
+
+# 1. The sdist.
+mkdir -p "$SRC_DIR"
+if [[ ! -s "$SDIST" ]]; then
+    local_copy="${MESH_LLAMA_SDIST:-/tmp/dl/$SDIST_NAME}"
+    if [[ -s "$local_copy" ]]; then
+        say "using local sdist $local_copy"
+        cp "$local_copy" "$SDIST.tmp"
+        mv "$SDIST.tmp" "$SDIST"
+    else
+        if [[ -x "$ROOT/.venv/bin/pip" ]]; then
+            PIP=("$ROOT/.venv/bin/pip")
+        else
+            PIP=(python3 -m pip)
+        fi
+        say "downloading llama-cpp-python==${VERSION_PIN} sdist from PyPI"
+        "${PIP[@]}" download -q --no-deps --no-binary :all: \
+            "llama-cpp-python==${VERSION_PIN}" -d "$SRC_DIR"
+        [[ -s "$SDIST" ]] || die "download did not produce $SDIST"
+    fi
+fi
+
+# 2. The llama.cpp tree (only vendor/llama.cpp is unpacked).
+if [[ ! -f "$TREE/CMakeLists.txt" ]]; then
+    say "unpacking vendor/llama.cpp"
+    tar -xzf "$SDIST" -C "$SRC_DIR" "llama_cpp_python-${VERSION_PIN}/vendor/llama.cpp"
+fi
+[[ -d "$TREE/tools/server" ]] || die "no tools/server in $TREE"
+
+mkdir -p "$OUT_DIR"
+
+# 3. Configure and build. Static libraries so the binary can be copied out of
+#    the build tree on its own.
+say "configuring (cmake, Release) in ${BUILD_DIR#"$ROOT"/}"
+cmake -S "$TREE" -B "$BUILD_DIR" \
+    -DCMAKE_BUILD_TYPE=Release \
+    -DBUILD_SHARED_LIBS=OFF \
+    -DLLAMA_BUILD_SERVER=ON \
+    -DLLAMA_BUILD_TESTS=OFF \
+    -DLLAMA_BUILD_EXAMPLES=OFF \
+    -DLLAMA_OPENSSL=OFF \
+    -DLLAMA_CURL=OFF >"$OUT_DIR/cmake-configure.log" 2>&1 \
+    || { tail -n 30 "$OUT_DIR/cmake-configure.log" >&2; die "cmake configure failed (log: $OUT_DIR/cmake-configure.log)"; }
+
+say "building target llama-server with -j${JOBS} (about 7 minutes on 2 cores)"
+cmake --build "$BUILD_DIR" --target llama-server -j"$JOBS" >"$OUT_DIR/cmake-build.log" 2>&1 \
+    || { tail -n 40 "$OUT_DIR/cmake-build.log" >&2; die "build failed (log: $OUT_DIR/cmake-build.log)"; }
+
+built="$BUILD_DIR/bin/llama-server"
+[[ -x "$built" ]] || die "build finished but $built is missing"
+mkdir -p "$OUT_DIR/bin"
+cp "$built" "$BIN.tmp"
+mv "$BIN.tmp" "$BIN"
+write_version
+say "built: $BIN"
+sed 's/^/[llama-server]   /' "$OUT_DIR/VERSION"

