@@ -17,6 +17,7 @@ cd "$ROOT"
 
 VERSION_PIN="0.3.36"
 SDIST_NAME="llama_cpp_python-${VERSION_PIN}.tar.gz"
+SDIST_SHA256="832db0699007f1be95a7e41ef12e88926b02ba836461e36a36372db2760c1a2e"
 SRC_DIR="$ROOT/.cache/src"
 SDIST="$SRC_DIR/$SDIST_NAME"
 TREE="$SRC_DIR/llama_cpp_python-${VERSION_PIN}/vendor/llama.cpp"
@@ -63,6 +64,12 @@ if [[ ! -s "$SDIST" ]]; then
             "llama-cpp-python==${VERSION_PIN}" -d "$SRC_DIR"
         [[ -s "$SDIST" ]] || die "download did not produce $SDIST"
     fi
+fi
+
+got_sha="$(sha256sum "$SDIST" | cut -d' ' -f1)"
+if [[ "$got_sha" != "$SDIST_SHA256" ]]; then
+    rm -f "$SDIST"
+    die "sdist sha256 $got_sha is not the expected $SDIST_SHA256 (removed; run again to download)"
 fi
 
 # 2. The llama.cpp tree (only vendor/llama.cpp is unpacked).

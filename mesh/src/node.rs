@@ -57,13 +57,7 @@ async fn start_tier(
     registry: &Registry,
 ) -> Result<(), ActorProcessingErr> {
     let name = cfg.name.clone();
-    let (actor, _) = Actor::spawn_linked(
-        Some(format!("tier-{name}")),
-        TierActor,
-        cfg,
-        myself.get_cell(),
-    )
-    .await?;
+    let (actor, _) = Actor::spawn_linked(None, TierActor, cfg, myself.get_cell()).await?;
     let desc = ractor::call!(actor, TierMsg::Describe)?;
     info!(tier = %name, params = desc.info.n_params, n_ctx = desc.info.n_ctx, seqs = desc.info.n_seq_max, "tier ready");
     registry.insert(name, TierEntry { actor, desc });
@@ -150,12 +144,8 @@ pub async fn start(
     tiers: Vec<EngineConfig>,
 ) -> anyhow::Result<(ActorRef<SupervisorMsg>, Registry)> {
     let registry: Registry = Arc::new(DashMap::new());
-    let (sup, _) = Actor::spawn(
-        Some("node-supervisor".into()),
-        NodeSupervisor,
-        (tiers, registry.clone()),
-    )
-    .await
-    .map_err(|e| anyhow::anyhow!("starting tiers: {e}"))?;
+    let (sup, _) = Actor::spawn(None, NodeSupervisor, (tiers, registry.clone()))
+        .await
+        .map_err(|e| anyhow::anyhow!("starting tiers: {e}"))?;
     Ok((sup, registry))
 }

@@ -138,6 +138,13 @@ def load_model(path: str):
 # ggml arithmetic helpers (torch tensors, float32 unless noted)
 
 
+def _recip(x, num: float = 1.0):
+    """num / x in f32 with IEEE division (torch's `scalar / tensor` is not always correctly rounded)."""
+    import torch
+
+    return torch.full_like(x, num) / x
+
+
 def _f16(x):
     """Round float32 values to f16 (round to nearest even, as F16C does)."""
     import torch
@@ -155,9 +162,55 @@ def _fma(a, b, c):
     return (a * b + c).float()
 
 
+def _libm():
+    """The C library's libm (the one llama.cpp's CPU backend calls for expf/cosf/sinf), or None."""
+    import ctypes
+    import ctypes.util
+
+    name = ctypes.util.find_library("m")
+    if not name:
+        return None
+    try:
+        lib = ctypes.CDLL(name)
+    except OSError:
+        return None
+    for fn in ("expf", "cosf", "sinf"):
+        f = getattr(lib, fn)
+        f.restype, f.argtypes = ctypes.c_float, [ctypes.c_float]
+    return lib
+
+
+LIBM = _libm()
+
+
+def libm_f32(fn: str, x: np.ndarray) -> np.ndarray:
+    """Apply libm's float function `fn` element by element (float64 then rounded if libm is missing)."""
+    x = np.asarray(x, dtype=np.float32)
+    if LIBM is None:
+        return getattr(np, {"expf": "exp", "cosf": "cos", "sinf": "sin"}[fn])(x.astype(np.float64)).astype(np.float32)
+    f = getattr(LIBM, fn)
+    return np.array([f(float(v)) for v in x.ravel()], dtype=np.float32).reshape(x.shape)
+
+
 def _expf(x):
-    """libm expf (correctly rounded in all but rare cases)."""
-    return x.double().exp().float()
+    """libm expf of a float32 tensor.
+
+    expf is the correctly rounded float of exp(x) except where exp(x) lies very
+    close to the midpoint of two floats; those few elements are passed to libm.
+    """
+    import torch
+
+    xn = x.detach().numpy().astype(np.float32)
+    with np.errstate(over="ignore", under="ignore", invalid="ignore"):
+        e = np.exp(xn.astype(np.float64))
+        r = e.astype(np.float32)
+        # neighbouring float32 towards e, and the midpoint between the two
+        other = np.nextafter(r, np.where(e > r, np.float32(np.inf), np.float32(-np.inf)))
+        mid = (r.astype(np.float64) + other.astype(np.float64)) / 2
+        close = np.isfinite(e) & (np.abs(e - mid) <= np.abs(e) * 2.0**-36) & (e != r.astype(np.float64))
+    if close.any():
+        r[close] = libm_f32("expf", xn[close])
+    return torch.from_numpy(r)
 
 
 def _bits(x):
@@ -206,29 +259,81 @@ def v_expf(x):
 
 def silu_mul(gate, up):
     """ggml_vec_swiglu_f32: x / (1 + expf(-x)) * g with the vectorized expf."""
-    return gate / (1.0 + v_expf(-gate)) * up
+    return gate / (v_expf(-gate) + 1.0) * up
 
 
 def rms_norm(x, w, eps: float):
     """ggml_compute_forward_rms_norm_f32 (+ the weight multiply)."""
     import torch
 
-    mean = ((x * x).double().sum(-1, keepdim=True) / x.shape[-1]).float()
-    scale = 1.0 / torch.sqrt(mean + torch.tensor(eps, dtype=torch.float32))
-    return x * scale * w
+    sq = (x * x).double().numpy()
+    total = np.cumsum(sq, axis=-1)[..., -1:]  # sequential double sum, as ggml loops
+    mean = (total / x.shape[-1]).astype(np.float32)
+    # numpy's f32 sqrt is IEEE; torch's vectorized one is not always correctly rounded.
+    scale = np.float32(1.0) / np.sqrt(mean + np.float32(eps))
+    return x * torch.from_numpy(scale) * w
 
 
 def quantize_act_q8_0(x):
-    """quantize_row_q8_0 (x86 AVX2) on the rows of x: returns the dequantized values q * f16(d)."""
+    """quantize_row_q8_0 (x86 AVX2) on the rows of x (T, K): (q (T, K/32, 32) f32 integers, d (T, K/32) f32)."""
     import torch
 
-    shape = x.shape
-    blocks = x.reshape(-1, shape[-1] // ggufw.QK8_0, ggufw.QK8_0)
-    amax = blocks.abs().amax(-1, keepdim=True)
-    d = _f16(amax / 127.0)
-    idm = torch.where(amax != 0, 127.0 / torch.where(amax != 0, amax, torch.ones_like(amax)), torch.zeros_like(amax))
-    q = torch.round(blocks * idm)  # _mm256_round_ps(_MM_ROUND_NEAREST): ties to even
-    return (q * d).reshape(shape)
+    T, K = x.shape
+    blocks = x.reshape(T, K // ggufw.QK8_0, ggufw.QK8_0)
+    amax = blocks.abs().amax(-1)
+    d = _f16(amax / 127.0)  # y[i].d = GGML_CPU_FP32_TO_FP16(maxScalar / 127.f)
+    idm = torch.where(amax != 0, _recip(torch.where(amax != 0, amax, torch.ones_like(amax)), 127.0),
+                      torch.zeros_like(amax))  # id = 127.f / maxScalar
+    q = torch.round(blocks * idm[..., None])  # _mm256_round_ps(_MM_ROUND_NEAREST): ties to even
+    return q, d
+
+
+class Q8Weight:
+    """A q8_0 weight matrix (N, K) as its int8 values and f16 block scales, for exact ggml dot products."""
+
+    def __init__(self, w):
+        import torch
+
+        N, K = w.shape
+        nb = K // ggufw.QK8_0
+        blocks = w.float().reshape(N, nb, ggufw.QK8_0)
+        d = _f16(blocks.abs().amax(-1) / 127.0)
+        q = torch.round(blocks / torch.where(d > 0, d, torch.ones_like(d))[..., None])
+        if not bool((q * d[..., None] == blocks).all()) or bool((q.abs() > 127).any()):
+            raise ValueError("weight is not a dequantized q8_0 tensor")
+        self.N, self.K, self.nb = N, K, nb
+        # (K/4 groups of 4 consecutive inputs, 4, N): one AVX2 lane of one block per group.
+        self.qg = q.reshape(N, nb * 8, 4).permute(1, 2, 0).contiguous()
+        self.d = d.T.contiguous()  # (nb, N)
+
+    def matmul(self, x, rows: int = 16):
+        """ggml mul_mat of this weight with f32 activations x (T, K) -> (T, N), bit-exact.
+
+        Activations are quantized with quantize_row_q8_0. ggml_vec_dot_q8_0_q8_0
+        (AVX2) and llamafile's tinyBLAS_Q0_AVX both keep 8 f32 lanes, lane l
+        summing inputs 4l..4l+3 of each block: acc_l = fma(dw*dx, isum_l, acc_l)
+        block after block, then hsum_float_8. The integer lane sums are exact in
+        f32; the fma is done in float64 (exact product) and rounded to f32.
+        """
+        import torch
+
+        T = x.shape[0]
+        qx, dx = quantize_act_q8_0(x)
+        out = torch.empty((T, self.N), dtype=torch.float32)
+        for t0 in range(0, T, rows):
+            n = min(rows, T - t0)
+            xg = qx[t0:t0 + n].reshape(n, self.nb * 8, 4).permute(1, 0, 2)
+            isum = torch.bmm(xg, self.qg).view(self.nb, 8, n, self.N)
+            dd = (dx[t0:t0 + n].T[:, :, None] * self.d[:, None, :]).double()  # (nb, n, N), exact
+            acc = torch.zeros((8, n, self.N), dtype=torch.float64)
+            buf = torch.empty((8, n, self.N), dtype=torch.float32)
+            for b in range(self.nb):
+                acc.addcmul_(isum[b].double(), dd[b][None])
+                buf.copy_(acc)
+                acc.copy_(buf)
+            r = buf[4:] + buf[:4]
+            out[t0:t0 + n] = (r[0] + r[2]) + (r[1] + r[3])
+        return out
 
 
 def vec_dot_f16(q, k):
@@ -304,85 +409,119 @@ class GgmlCpu:
         self.n_ubatch, self.n_threads, self.n_ctx = n_ubatch, n_threads, n_ctx
         sd = model.state_dict()
         self.tok = sd["tok.weight"].float()
-        self.tok64 = self.tok.double()
+        self.output = Q8Weight(self.tok)  # tied: llama.cpp reuses token_embd as the output matrix
         self.norm = sd["norm.weight"].float()
         self.layers = []
         for i in range(cfg.layers):
             g = lambda n: sd[f"blocks.{i}.{n}"]  # noqa: E731
             self.layers.append({
                 "attn_norm": g("attn_norm.weight").float(), "ffn_norm": g("ffn_norm.weight").float(),
-                **{n: g(f"{n}.weight").double() for n in ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")},
+                **{n: Q8Weight(g(f"{n}.weight")) for n in ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")},
             })
         self.eps = float(np.float32(cfg.eps))
         self.scale = float(np.float32(1.0) / np.sqrt(np.float32(self.hd)))
         # ggml_rope_cache_init: theta_scale = powf(freq_base, -2/n_dims), theta *= theta_scale per pair.
-        self.theta_scale = torch.tensor(np.float32(np.float64(np.float32(cfg.rope_base))
-                                                   ** np.float64(np.float32(-2.0) / np.float32(self.hd))))
+        self.theta_scale = np.float32(np.float64(np.float32(cfg.rope_base))
+                                      ** np.float64(np.float32(-2.0) / np.float32(self.hd)))
+        cos, sin = self.rope_cache(n_ctx)
+        self.cos, self.sin = torch.from_numpy(cos), torch.from_numpy(sin)
 
     # --- ops ----------------------------------------------------------------
-    def mm(self, x, w64):
-        """q8_0 weight x f32 activations: activations quantized to q8_0, exact block products."""
-        return (quantize_act_q8_0(x).double() @ w64.T).float()
+    @staticmethod
+    def mm(x, w: "Q8Weight"):
+        return w.matmul(x)
+
+    def rope_cache(self, n: int):
+        """ggml_rope_cache_init for positions 0..n-1: theta = p * theta_scale^i by repeated f32 products, libm cosf/sinf."""
+        theta = np.arange(n, dtype=np.float32)
+        ts = np.float32(self.theta_scale)
+        thetas = []
+        for _ in range(self.hd // 2):
+            thetas.append(theta)
+            theta = (theta * ts).astype(np.float32)
+        th = np.stack(thetas, -1)
+        return libm_f32("cosf", th), libm_f32("sinf", th)
 
     def rope(self, x, pos):
-        """ggml rope, normal mode (adjacent pairs), x: (T, H, D), pos: (T,) int."""
+        """ggml rope, normal mode (adjacent pairs), x: (T, H, D), pos: (T,) int.
+
+        rotate_pairs computes x0*cos - x1*sin and x0*sin + x1*cos; the compiler
+        contracts each into one fma with the other product rounded first.
+        """
         import torch
 
-        half = self.hd // 2
-        theta = pos.to(torch.float32)
-        thetas = []
-        for _ in range(half):
-            thetas.append(theta)
-            theta = theta * self.theta_scale
-        th = torch.stack(thetas, -1).double()
-        cos, sin = th.cos().float()[:, None, :], th.sin().float()[:, None, :]
+        cos = self.cos[pos][:, None, :]
+        sin = self.sin[pos][:, None, :]
         x0, x1 = x[..., 0::2], x[..., 1::2]
-        out = torch.stack([x0 * cos - x1 * sin, x0 * sin + x1 * cos], -1)
+        out = torch.stack([_fma(x0, cos, -(x1 * sin)), _fma(x0, sin, x1 * cos)], -1)
         return out.reshape(x.shape)
 
     def n_kv(self, used: int) -> int:
         return min(self.n_ctx, max(KV_PAD, (used + KV_PAD - 1) // KV_PAD * KV_PAD))
 
     def attn_tiled(self, q, K, V, pos, n_kv):
-        """ggml_compute_forward_flash_attn_ext_tiled: q (R, H, D) f32, K/V (n_kv, Hkv, D) f16-valued."""
+        """ggml_compute_forward_flash_attn_ext_tiled: q (R, H, D) f32, K/V (n_ctx, Hkv, D) f16-valued.
+
+        Per 64-key tile: KQ by simd_gemm (an f32 fma chain over the head
+        dimension, starting from 0), scaled and masked; online softmax with
+        ggml_v_expf and ggml_vec_soft_max_f32's summation; VKQ += P V by
+        simd_gemm (an fma chain over the tile's keys, in key order).
+        """
         import torch
 
         rep = self.cfg.heads // self.cfg.kv_heads
         R, H, D = q.shape
-        Kh = K[:n_kv].transpose(0, 1).repeat_interleave(rep, 0).double()  # (H, n, D)
-        Vh = V[:n_kv].transpose(0, 1).repeat_interleave(rep, 0).double()
+        nk = min(n_kv, int(pos.max()) + 1)  # later cells are masked for every row
+        nk_pad = (nk + FA_TILE_KV - 1) // FA_TILE_KV * FA_TILE_KV
+        Kh = K[:nk].transpose(0, 1).repeat_interleave(rep, 0).double()  # (H, nk, D)
+        Vh = V[:nk].transpose(0, 1).repeat_interleave(rep, 0).double()
         qh = q.transpose(0, 1).double()  # (H, R, D)
-        kq = (qh @ Kh.transpose(1, 2)).float() * self.scale  # (H, R, n)
-        visible = torch.arange(n_kv)[None, :] <= pos[:, None]  # causal, also hides unused cells
+        acc = torch.zeros((H, R, nk), dtype=torch.float64)
+        buf = torch.empty((H, R, nk), dtype=torch.float32)
+        for d in range(D):
+            acc.addcmul_(qh[:, :, d, None], Kh[:, None, :, d])
+            buf.copy_(acc)
+            acc.copy_(buf)
+        kq = buf * self.scale
+        visible = torch.arange(nk)[None, :] <= pos[:, None]  # causal mask (0 or -inf)
         kq = kq.masked_fill(~visible[None], float("-inf"))
+        if nk_pad > nk:
+            kq = torch.nn.functional.pad(kq, (0, nk_pad - nk), value=float("-inf"))
+            Vh = torch.nn.functional.pad(Vh, (0, 0, 0, nk_pad - nk))
         M = torch.full((H, R), float("-inf"))
         S = torch.zeros((H, R))
-        acc = torch.zeros((H, R, D))
-        for t0 in range(0, n_kv, FA_TILE_KV):
+        vkq = torch.zeros((H, R, D), dtype=torch.float64)
+        vbuf = torch.zeros((H, R, D), dtype=torch.float32)
+        for t0 in range(0, nk_pad, FA_TILE_KV):
             t = kq[:, :, t0:t0 + FA_TILE_KV]
-            if t.shape[-1] < FA_TILE_KV:
-                t = torch.nn.functional.pad(t, (0, FA_TILE_KV - t.shape[-1]), value=float("-inf"))
             tmax = t.amax(-1)
             skip = tmax == float("-inf")
             if bool(skip.all()):
                 continue
             mnew = torch.maximum(M, tmax)
             upd = (mnew > M) & ~skip
-            ms = _expf(torch.where(upd, M - mnew, torch.zeros_like(M)))
-            acc = torch.where(upd[..., None], acc * ms[..., None], acc)
-            S = torch.where(upd, S * ms, S)
+            if bool(upd.any()):
+                ms = _expf(torch.where(upd, M - mnew, torch.zeros_like(M)))
+                vbuf = torch.where(upd[..., None], vbuf * ms[..., None], vbuf)
+                S = torch.where(upd, S * ms, S)
             M = torch.where(skip, M, mnew)
             p = v_expf(t - torch.where(skip, torch.zeros_like(M), M)[..., None])
             p = torch.where(skip[..., None], torch.zeros_like(p), p)
             g = p.reshape(H, R, FA_TILE_KV // 8, 8)
             a = g[..., 4:] + g[..., :4]
-            part = (a[..., 0] + a[..., 2]) + (a[..., 1] + a[..., 3])
-            S = torch.where(skip, S, (S.double() + part.double().sum(-1)).float())
-            vt = Vh[:, t0:t0 + FA_TILE_KV]
-            n = vt.shape[1]
-            acc = (acc.double() + p[..., :n].double() @ vt).float()
-        inv = torch.where(S == 0, torch.zeros_like(S), 1.0 / S)
-        return (acc * inv[..., None]).transpose(0, 1)  # (R, H, D)
+            part = ((a[..., 0] + a[..., 2]) + (a[..., 1] + a[..., 3])).double()
+            tot = torch.zeros((H, R), dtype=torch.float64)
+            for j in range(FA_TILE_KV // 8):
+                tot = tot + part[..., j]
+            S = torch.where(skip, S, (S.double() + tot).float())
+            p64 = p.double()
+            vkq.copy_(vbuf)
+            for kk in range(FA_TILE_KV):
+                vkq.addcmul_(p64[:, :, kk, None], Vh[:, None, t0 + kk, :])
+                vbuf.copy_(vkq)
+                vkq.copy_(vbuf)
+        inv = torch.where(S == 0, torch.zeros_like(S), _recip(S))
+        return (vbuf * inv[..., None]).transpose(0, 1)  # (R, H, D)
 
     def _chunk_streams(self, q, K, V, pos, lo, hi):
         """Scores and V rows of the one-row kernel for keys [lo, hi): (R*H, hi-lo) and (R*H, hi-lo, D)."""
@@ -413,7 +552,7 @@ class GgmlCpu:
             _, S, y = online_softmax_f16(s, v)
             y = torch.from_numpy(y)
             S = torch.from_numpy(S)
-            inv = torch.where(S == 0, torch.zeros_like(S), 1.0 / S)
+            inv = torch.where(S == 0, torch.zeros_like(S), _recip(S))
             outs.append((y * inv[:, None]).reshape(H, -1, D).transpose(0, 1))
         return torch.cat(outs, 0)
 
@@ -500,7 +639,7 @@ class GgmlCpu:
             h = rms_norm(x, L["ffn_norm"], self.eps)
             x = x + self.mm(silu_mul(self.mm(h, L["w_gate"]), self.mm(h, L["w_up"])), L["w_down"])
         h = rms_norm(x, self.norm, self.eps)
-        return self.mm(h, self.tok64)[-1]
+        return self.mm(h, self.output)[-1]
 
     def prefill(self, cache, ids):
         logits = None

@@ -133,6 +133,13 @@ fn check_tier(tier: &str) {
         let mut last = batch.n_tokens() - 1;
         for _ in 0..fx.max_new {
             let (t, gap) = top2(ctx.get_logits_ith(last));
+            if let Ok(d) = std::env::var("MESH_DUMP_LOGITS") {
+                if i < 10 && out.len() < 4 {
+                    let l = ctx.get_logits_ith(last);
+                    let b: Vec<u8> = l.iter().flat_map(|x| x.to_le_bytes()).collect();
+                    std::fs::write(format!("{d}/{tier}-{i}-{}.f32", out.len()), b).unwrap();
+                }
+            }
             out.push(t);
             gaps.push(gap);
             if vocab.is_eog(LlamaToken(t)) {

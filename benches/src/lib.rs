@@ -1,1 +1,0 @@
-//! Workload driver.

@@ -1,0 +1,189 @@
+//! What ran where: machine, versions and build flags, recorded beside the results.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use serde_json::{json, Value};
+
+/// Processes whose presence makes timings worthless on a small machine (compilers, builds).
+const HEAVY: &[&str] = &["cc1plus", "cc1", "rustc", "cmake", "ld", "ld.lld", "mold"];
+
+/// CMake cache entries worth recording for a llama.cpp build.
+const CMAKE_KEYS: &[&str] = &[
+    "CMAKE_BUILD_TYPE",
+    "CMAKE_C_FLAGS",
+    "CMAKE_CXX_COMPILER",
+    "BUILD_SHARED_LIBS",
+    "GGML_NATIVE",
+    "GGML_AVX",
+    "GGML_AVX2",
+    "GGML_AVX512",
+    "GGML_AVX512_VNNI",
+    "GGML_AVX512_BF16",
+    "GGML_FMA",
+    "GGML_F16C",
+    "GGML_OPENMP",
+    "GGML_LLAMAFILE",
+    "GGML_BLAS",
+    "GGML_CPU_REPACK",
+];
+
+/// `nproc`, CPU model, memory, kernel and load.
+pub(crate) fn machine() -> Value {
+    let cpuinfo = std::fs::read_to_string("/proc/cpuinfo").unwrap_or_default();
+    let cpu_model = cpuinfo.lines().find_map(|l| {
+        l.strip_prefix("model name")?
+            .split_once(':')
+            .map(|(_, v)| v.trim().to_owned())
+    });
+    let flags: Vec<&str> = cpuinfo
+        .lines()
+        .find_map(|l| l.strip_prefix("flags")?.split_once(':').map(|(_, v)| v))
+        .unwrap_or("")
+        .split_whitespace()
+        .filter(|f| f.starts_with("avx") || matches!(*f, "fma" | "f16c" | "amx_int8" | "amx_bf16"))
+        .collect();
+    let meminfo = std::fs::read_to_string("/proc/meminfo").unwrap_or_default();
+    let mem_total_kib = meminfo
+        .lines()
+        .find_map(|l| l.strip_prefix("MemTotal:"))
+        .and_then(|v| v.split_whitespace().next()?.parse::<u64>().ok());
+    json!({
+        "nproc": run_text("nproc", &[]).and_then(|s| s.parse::<u64>().ok()),
+        "logical_cpus": cpuinfo.lines().filter(|l| l.starts_with("processor")).count(),
+        "cpu_model": cpu_model,
+        "cpu_simd_flags": flags,
+        "mem_total_kib": mem_total_kib,
+        "kernel": read_trimmed("/proc/sys/kernel/osrelease"),
+        "loadavg_start": load_average(),
+    })
+}
+
+/// `/proc/loadavg` as text.
+pub(crate) fn load_average() -> Option<String> {
+    read_trimmed("/proc/loadavg")
+}
+
+/// Compilers and build tools running now, as `name (pid)`.
+pub(crate) fn heavy_processes() -> Vec<String> {
+    let Ok(dir) = std::fs::read_dir("/proc") else {
+        return Vec::new();
+    };
+    let mut found = Vec::new();
+    for entry in dir.flatten() {
+        let name = entry.file_name();
+        let Some(pid) = name
+            .to_str()
+            .filter(|s| s.bytes().all(|b| b.is_ascii_digit()))
+        else {
+            continue;
+        };
+        if let Some(comm) = read_trimmed(&format!("/proc/{pid}/comm")) {
+            if HEAVY.contains(&comm.as_str()) {
+                found.push(format!("{comm} ({pid})"));
+            }
+        }
+    }
+    found
+}
+
+/// Output of `program args` (stdout then stderr), trimmed; `None` when it cannot run.
+pub(crate) fn run_text(program: impl AsRef<std::ffi::OsStr>, args: &[&str]) -> Option<String> {
+    let out = Command::new(program).args(args).output().ok()?;
+    let mut text = String::from_utf8_lossy(&out.stdout).into_owned();
+    text.push_str(&String::from_utf8_lossy(&out.stderr));
+    Some(text.trim().to_owned())
+}
+
+/// Versions of the named packages in a `Cargo.lock`.
+pub(crate) fn cargo_lock_versions(lock: &Path, names: &[&str]) -> BTreeMap<String, String> {
+    let text = std::fs::read_to_string(lock).unwrap_or_default();
+    let mut out = BTreeMap::new();
+    let mut current: Option<&str> = None;
+    for line in text.lines() {
+        if let Some(n) = line.strip_prefix("name = ") {
+            current = Some(n.trim_matches('"'));
+        } else if let (Some(n), Some(v)) = (current, line.strip_prefix("version = ")) {
+            if names.contains(&n) {
+                out.insert(n.to_owned(), v.trim_matches('"').to_owned());
+            }
+            current = None;
+        }
+    }
+    out
+}
+
+/// The interesting entries of a `CMakeCache.txt`.
+pub(crate) fn cmake_flags(cache: &Path) -> Option<BTreeMap<String, String>> {
+    let text = std::fs::read_to_string(cache).ok()?;
+    let mut out = BTreeMap::new();
+    for line in text.lines() {
+        let Some((key, value)) = line.split_once('=') else {
+            continue;
+        };
+        let key = key.split(':').next().unwrap_or(key);
+        if CMAKE_KEYS.contains(&key) {
+            out.insert(key.to_owned(), value.to_owned());
+        }
+    }
+    Some(out)
+}
+
+/// The CMake cache of the newest llama-cpp-sys-2 build under a cargo profile folder (the one
+/// `target/release/mesh` most likely links; cargo keeps older builds beside it).
+pub(crate) fn llama_sys_cmake_cache(profile_dir: &Path) -> Option<PathBuf> {
+    let dir = std::fs::read_dir(profile_dir.join("build")).ok()?;
+    dir.flatten()
+        .filter(|e| {
+            e.file_name()
+                .to_string_lossy()
+                .starts_with("llama-cpp-sys-2-")
+        })
+        .map(|e| e.path().join("out/build/CMakeCache.txt"))
+        .filter_map(|p| Some((std::fs::metadata(&p).ok()?.modified().ok()?, p)))
+        .max()
+        .map(|(_, p)| p)
+}
+
+/// Commit of the working tree and whether it has uncommitted changes.
+pub(crate) fn git_state() -> Value {
+    let commit = run_text("git", &["rev-parse", "HEAD"]).filter(|s| s.len() == 40);
+    let dirty =
+        run_text("git", &["status", "--porcelain", "--untracked-files=no"]).map(|s| !s.is_empty());
+    json!({"commit": commit, "dirty": dirty})
+}
+
+fn read_trimmed(path: &str) -> Option<String> {
+    std::fs::read_to_string(path)
+        .ok()
+        .map(|s| s.trim().to_owned())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn reads_versions_from_a_lock_file() {
+        let lock = "[[package]]\nname = \"llama-cpp-sys-2\"\nversion = \"0.1.161\"\n\n[[package]]\nname = \"other\"\nversion = \"1.0.0\"\n";
+        let path = std::env::temp_dir().join(format!("mesh-bench-lock-{}", std::process::id()));
+        std::fs::write(&path, lock).unwrap();
+        let v = cargo_lock_versions(&path, &["llama-cpp-sys-2", "missing"]);
+        std::fs::remove_file(&path).unwrap();
+        assert_eq!(v.len(), 1);
+        assert_eq!(v["llama-cpp-sys-2"], "0.1.161");
+    }
+
+    #[test]
+    fn keeps_only_known_cmake_keys() {
+        let cache =
+            "# comment\nGGML_NATIVE:BOOL=ON\nCMAKE_BUILD_TYPE:STRING=Release\nFOO:BOOL=OFF\n";
+        let path = std::env::temp_dir().join(format!("mesh-bench-cmake-{}", std::process::id()));
+        std::fs::write(&path, cache).unwrap();
+        let f = cmake_flags(&path).unwrap();
+        std::fs::remove_file(&path).unwrap();
+        assert_eq!(f.len(), 2);
+        assert_eq!(f["GGML_NATIVE"], "ON");
+    }
+}

@@ -1,0 +1,47 @@
+//! `mesh-bench`: the workload driver that runs mesh and llama.cpp's own `llama-server` side by
+//! side, on the same GGUF with the same settings, and reports medians and mesh/llama-server
+//! ratios as JSON plus a short markdown table (see `shared/MEASURING.md`).
+//!
+//! Design: the driver starts both servers itself as child processes on free ports, sends both
+//! the same prompt strings with the same output length (`ignore_eos`, fixed `max_tokens`,
+//! temperature 0), alternates the targets A B A B after a warm-up, and reads each server's
+//! peak RSS before stopping it. Every child is killed and reaped on exit, on error and on
+//! Ctrl-C / SIGTERM.
+//!
+//! Caveats: wall-clock numbers on a shared machine drift; the ratios from one run are what to
+//! compare across runs. The driver runs on a single-threaded runtime so that it takes as
+//! little CPU as it can from the servers it measures, but it still shares the machine with
+//! them. Benchmarks never gate CI.
+
+mod decode;
+mod gguf;
+mod machine;
+mod report;
+mod server;
+mod stats;
+mod workload;
+
+use clap::{Parser, Subcommand};
+
+/// Compare mesh with llama.cpp's llama-server.
+#[derive(Parser)]
+#[command(name = "mesh-bench", version, about)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Streaming decode: single stream and N concurrent streams, TTFT, inter-token latency,
+    /// tokens/s and peak RSS, mesh vs llama-server.
+    Decode(decode::DecodeArgs),
+}
+
+#[tokio::main(flavor = "current_thread")]
+async fn main() -> anyhow::Result<()> {
+    let cli = Cli::parse();
+    match cli.command {
+        Command::Decode(args) => decode::run(args).await,
+    }
+}

@@ -1,0 +1,135 @@
+//! Server child processes: start on a free port, wait for `/health`, read peak RSS, stop.
+//!
+//! Children run in their own process group, so a Ctrl-C in the terminal reaches only the
+//! driver, which then kills and reaps them itself. `kill_on_drop` is the backstop for paths
+//! that never reach [`Server::stop`] (a panic).
+
+use std::path::{Path, PathBuf};
+use std::process::{ExitStatus, Stdio};
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context, Result};
+use tokio::process::{Child, Command};
+
+/// A running server the driver started.
+pub(crate) struct Server {
+    /// Short name used in reports (`mesh`, `llama-server`).
+    pub(crate) name: &'static str,
+    /// `http://127.0.0.1:PORT`.
+    pub(crate) base_url: String,
+    /// Program and arguments exactly as started.
+    pub(crate) argv: Vec<String>,
+    /// File receiving the child's stdout and stderr.
+    pub(crate) log: PathBuf,
+    pid: u32,
+    child: Child,
+}
+
+/// A port that was free a moment ago on 127.0.0.1 (the child binds it right after).
+pub(crate) fn free_port() -> Result<u16> {
+    let l = std::net::TcpListener::bind(("127.0.0.1", 0)).context("finding a free port")?;
+    Ok(l.local_addr()?.port())
+}
+
+impl Server {
+    /// Starts `program args`, output to `log`.
+    pub(crate) fn spawn(
+        name: &'static str,
+        program: &Path,
+        args: Vec<String>,
+        port: u16,
+        log: PathBuf,
+    ) -> Result<Self> {
+        let out = std::fs::File::create(&log)
+            .with_context(|| format!("creating log file {}", log.display()))?;
+        let err = out.try_clone()?;
+        let child = Command::new(program)
+            .args(&args)
+            .stdin(Stdio::null())
+            .stdout(out)
+            .stderr(err)
+            .process_group(0)
+            .kill_on_drop(true)
+            .spawn()
+            .with_context(|| format!("starting {name} ({})", program.display()))?;
+        let pid = child.id().context("child has no pid")?;
+        let mut argv = vec![program.display().to_string()];
+        argv.extend(args);
+        Ok(Self {
+            name,
+            base_url: format!("http://127.0.0.1:{port}"),
+            argv,
+            log,
+            pid,
+            child,
+        })
+    }
+
+    /// Polls `GET /health` until it answers 200; fails early if the child exits.
+    /// Returns how long it took. Cancel-safe.
+    pub(crate) async fn wait_healthy(
+        &mut self,
+        client: &reqwest::Client,
+        timeout: Duration,
+    ) -> Result<Duration> {
+        let start = Instant::now();
+        let url = format!("{}/health", self.base_url);
+        loop {
+            self.ensure_running()?;
+            let ok = client
+                .get(&url)
+                .timeout(Duration::from_secs(2))
+                .send()
+                .await
+                .is_ok_and(|r| r.status().is_success());
+            if ok {
+                return Ok(start.elapsed());
+            }
+            if start.elapsed() > timeout {
+                bail!(
+                    "{} did not become healthy within {timeout:?}; last log lines:\n{}",
+                    self.name,
+                    log_tail(&self.log, 20)
+                );
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+
+    /// Fails with the log tail if the child has exited.
+    pub(crate) fn ensure_running(&mut self) -> Result<()> {
+        if let Some(status) = self.child.try_wait()? {
+            bail!(
+                "{} exited ({status}); last log lines of {}:\n{}",
+                self.name,
+                self.log.display(),
+                log_tail(&self.log, 20)
+            );
+        }
+        Ok(())
+    }
+
+    /// A `/proc/PID/status` field in KiB (`VmHWM` = peak RSS, `VmRSS` = current RSS).
+    pub(crate) fn status_kib(&self, field: &str) -> Option<u64> {
+        let status = std::fs::read_to_string(format!("/proc/{}/status", self.pid)).ok()?;
+        status
+            .lines()
+            .find_map(|l| l.strip_prefix(field)?.strip_prefix(':'))
+            .and_then(|v| v.split_whitespace().next())
+            .and_then(|v| v.parse().ok())
+    }
+
+    /// Kills the child and waits for it to be reaped.
+    pub(crate) async fn stop(mut self) -> Option<ExitStatus> {
+        // An error here means the child is already gone; `wait` still reaps it.
+        let _ = self.child.start_kill();
+        self.child.wait().await.ok()
+    }
+}
+
+/// The last `n` lines of a log file (empty when unreadable).
+fn log_tail(path: &Path, n: usize) -> String {
+    let text = std::fs::read_to_string(path).unwrap_or_default();
+    let lines: Vec<&str> = text.lines().collect();
+    lines[lines.len().saturating_sub(n)..].join("\n")
+}

@@ -1,0 +1,325 @@
+//! Gateway behaviour against a real node (bundled t1 model) started in-process.
+
+use std::time::Duration;
+
+use futures::StreamExt;
+use mesh::config::NodeConfig;
+use mesh_tiers::EngineConfig;
+use serde_json::{json, Value};
+
+fn models() -> std::path::PathBuf {
+    std::path::PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/../models"))
+}
+
+async fn node(max_concurrent: usize, n_seq_max: u32) -> (String, tokio::sync::oneshot::Sender<()>) {
+    let cfg = NodeConfig {
+        listen: "127.0.0.1:0".parse().unwrap(),
+        max_concurrent,
+        tiers: vec![EngineConfig {
+            name: "t1".into(),
+            model: models().join("t1-q8_0.gguf"),
+            n_ctx: 4096,
+            n_seq_max,
+            threads: 2,
+            ..EngineConfig::default()
+        }],
+        ..NodeConfig::default()
+    };
+    let (tx, rx) = tokio::sync::oneshot::channel::<()>();
+    let running = mesh::start(cfg, async move {
+        let _ = rx.await;
+    })
+    .await
+    .expect("node starts");
+    let base = format!("http://{}", running.addr);
+    tokio::spawn(running.wait());
+    (base, tx)
+}
+
+fn weather_tools() -> Value {
+    json!([
+        {"type": "function", "function": {"name": "weather_get_forecast", "description": "Get the forecast by city and date.",
+          "parameters": {"type": "object", "properties": {"city": {"type": "string", "description": "City name"}, "date": {"type": "string", "description": "Date as YYYY-MM-DD"}}, "required": ["city", "date"]}}},
+        {"type": "function", "function": {"name": "finance_get_stock_quote", "description": "Get the stock quote by ticker.",
+          "parameters": {"type": "object", "properties": {"ticker": {"type": "string", "description": "Stock ticker symbol"}}, "required": ["ticker"]}}},
+        {"type": "function", "function": {"name": "email_send_email", "description": "Send the email by recipient and topic.",
+          "parameters": {"type": "object", "properties": {"recipient": {"type": "string", "description": "Recipient name"}, "topic": {"type": "string", "description": "Topic or title"}}, "required": ["recipient", "topic"]}}}
+    ])
+}
+
+async fn post(
+    c: &reqwest::Client,
+    url: String,
+    body: Value,
+) -> (u16, reqwest::header::HeaderMap, Value) {
+    let r = c.post(url).json(&body).send().await.unwrap();
+    let status = r.status().as_u16();
+    let headers = r.headers().clone();
+    let v = r.json::<Value>().await.unwrap_or(Value::Null);
+    (status, headers, v)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn chat_tools_streaming_and_errors() {
+    let (base, _stop) = node(16, 4).await;
+    let c = reqwest::Client::new();
+    let url = format!("{base}/v1/chat/completions");
+
+    // Health, readiness, model list.
+    assert_eq!(
+        c.get(format!("{base}/health"))
+            .send()
+            .await
+            .unwrap()
+            .status(),
+        200
+    );
+    assert_eq!(
+        c.get(format!("{base}/ready"))
+            .send()
+            .await
+            .unwrap()
+            .status(),
+        200
+    );
+    let models: Value = c
+        .get(format!("{base}/v1/models"))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(models["data"][0]["id"], "t1");
+
+    // A tool call comes back as OpenAI tool_calls with JSON-string arguments.
+    let body = json!({"model": "t1", "temperature": 0,
+        "messages": [{"role": "user", "content": "What is the forecast in Oslo on 2026-05-01?"}],
+        "tools": weather_tools()});
+    let (s, _, v) = post(&c, url.clone(), body.clone()).await;
+    assert_eq!(s, 200, "{v}");
+    let choice = &v["choices"][0];
+    assert_eq!(choice["finish_reason"], "tool_calls", "{v}");
+    let call = &choice["message"]["tool_calls"][0];
+    assert_eq!(call["type"], "function");
+    assert_eq!(call["function"]["name"], "weather_get_forecast");
+    let args: Value =
+        serde_json::from_str(call["function"]["arguments"].as_str().unwrap()).unwrap();
+    assert_eq!(args, json!({"city": "Oslo", "date": "2026-05-01"}));
+    assert_eq!(v["mesh"]["tier"], "t1");
+    let usage = &v["usage"];
+    assert_eq!(
+        usage["total_tokens"].as_u64(),
+        Some(
+            usage["prompt_tokens"].as_u64().unwrap() + usage["completion_tokens"].as_u64().unwrap()
+        )
+    );
+
+    // The turn after the tool result answers from it.
+    let follow = json!({"model": "t1", "temperature": 0, "tools": weather_tools(), "messages": [
+        {"role": "user", "content": "What is the forecast in Oslo on 2026-05-01?"},
+        {"role": "assistant", "content": null, "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "weather_get_forecast", "arguments": "{\"city\": \"Oslo\", \"date\": \"2026-05-01\"}"}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "{\"status\": \"ok\", \"value\": 17, \"items\": 3}"}]});
+    let (s, _, v) = post(&c, url.clone(), follow).await;
+    assert_eq!(s, 200);
+    assert_eq!(v["choices"][0]["finish_reason"], "stop");
+    let text = v["choices"][0]["message"]["content"].as_str().unwrap();
+    assert!(text.contains("17"), "answer uses the tool result: {text}");
+
+    // Streaming gives the same call, split into SSE chunks, ending with usage and [DONE].
+    let mut sbody = body.clone();
+    sbody["stream"] = json!(true);
+    sbody["stream_options"] = json!({"include_usage": true});
+    let resp = c.post(url.clone()).json(&sbody).send().await.unwrap();
+    assert_eq!(resp.status(), 200);
+    assert!(resp.headers()["content-type"]
+        .to_str()
+        .unwrap()
+        .starts_with("text/event-stream"));
+    let raw = resp.text().await.unwrap();
+    let events: Vec<&str> = raw
+        .lines()
+        .filter_map(|l| l.strip_prefix("data: "))
+        .collect();
+    assert_eq!(*events.last().unwrap(), "[DONE]");
+    let chunks: Vec<Value> = events[..events.len() - 1]
+        .iter()
+        .map(|e| serde_json::from_str(e).unwrap())
+        .collect();
+    assert_eq!(chunks[0]["choices"][0]["delta"]["role"], "assistant");
+    let streamed_call = chunks
+        .iter()
+        .find_map(|c| {
+            c["choices"][0]["delta"]["tool_calls"][0]
+                .as_object()
+                .cloned()
+        })
+        .expect("a tool_calls delta");
+    assert_eq!(streamed_call["function"]["name"], "weather_get_forecast");
+    assert_eq!(streamed_call["index"], 0);
+    assert!(chunks
+        .iter()
+        .any(|c| c["choices"][0]["finish_reason"] == "tool_calls"));
+    assert!(
+        chunks.last().unwrap()["usage"]["completion_tokens"]
+            .as_u64()
+            .unwrap()
+            > 0
+    );
+
+    // Legacy completions with a raw prompt.
+    let (s, _, v) = post(&c, format!("{base}/v1/completions"), json!({"model": "t1", "prompt": "<|user|>Hello!<|end|><|assistant|>", "max_tokens": 5, "temperature": 0, "ignore_eos": true})).await;
+    assert_eq!(s, 200, "{v}");
+    assert_eq!(v["usage"]["completion_tokens"], 5);
+    assert_eq!(v["choices"][0]["finish_reason"], "length");
+
+    // Errors: OpenAI's JSON with the right status and a reason.
+    let r = c.post(url.clone()).body("{not json").send().await.unwrap();
+    assert_eq!(r.status(), 400);
+    let e: Value = r.json().await.unwrap();
+    assert_eq!(e["error"]["type"], "invalid_request_error");
+    assert!(e["error"]["message"]
+        .as_str()
+        .unwrap()
+        .contains("invalid request body"));
+    let (s, _, e) = post(&c, url.clone(), json!({"model": "t1"})).await;
+    assert_eq!(s, 400);
+    assert!(
+        e["error"]["message"].as_str().unwrap().contains("messages"),
+        "{e}"
+    );
+    let (s, _, e) = post(
+        &c,
+        url.clone(),
+        json!({"model": "nope", "messages": [{"role": "user", "content": "hi"}]}),
+    )
+    .await;
+    assert_eq!(s, 404);
+    assert_eq!(e["error"]["code"], "model_not_found");
+    let (s, _, e) = post(
+        &c,
+        url.clone(),
+        json!({"model": "t1", "messages": [{"role": "wizard", "content": "hi"}]}),
+    )
+    .await;
+    assert_eq!(
+        (s, e["error"]["param"].as_str()),
+        (400, Some("messages[0].role"))
+    );
+    let (s, _, _) = post(
+        &c,
+        url.clone(),
+        json!({"model": "t1", "n": 2, "messages": [{"role": "user", "content": "hi"}]}),
+    )
+    .await;
+    assert_eq!(s, 400);
+    let (s, _, e) = post(
+        &c,
+        url.clone(),
+        json!({"model": "t1", "temperature": 7, "messages": [{"role": "user", "content": "hi"}]}),
+    )
+    .await;
+    assert_eq!(
+        (s, e["error"]["param"].as_str()),
+        (400, Some("temperature"))
+    );
+    let (s, _, e) = post(&c, url.clone(), json!({"model": "t1", "tool_choice": {"type": "function", "function": {"name": "missing"}}, "tools": weather_tools(), "messages": [{"role": "user", "content": "hi"}]})).await;
+    assert_eq!(
+        (s, e["error"]["param"].as_str()),
+        (400, Some("tool_choice"))
+    );
+    let long = "word ".repeat(3000);
+    let (s, _, e) = post(
+        &c,
+        url.clone(),
+        json!({"model": "t1", "messages": [{"role": "user", "content": long}]}),
+    )
+    .await;
+    assert_eq!(s, 400);
+    assert_eq!(e["error"]["code"], "context_length_exceeded");
+    let (s, _, e) = post(
+        &c,
+        url.clone(),
+        json!({"model": "t1", "max_tokens": 4000, "messages": [{"role": "user", "content": "hi"}]}),
+    )
+    .await;
+    assert_eq!(
+        (s, e["error"]["code"].as_str()),
+        (400, Some("context_length_exceeded"))
+    );
+
+    // Metrics in Prometheus text.
+    let m = c
+        .get(format!("{base}/metrics"))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    for name in [
+        "mesh_http_requests_total",
+        "mesh_time_to_first_token_seconds_bucket",
+        "mesh_inter_token_latency_seconds_bucket",
+        "mesh_generation_tokens_total",
+        "mesh_active_sequences",
+    ] {
+        assert!(m.contains(name), "missing {name}");
+    }
+    assert!(m.contains("status=\"404\""));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn overload_gets_429_and_disconnect_frees_the_sequence() {
+    let (base, _stop) = node(1, 1).await;
+    let c = reqwest::Client::new();
+    let url = format!("{base}/v1/completions");
+    let long = json!({"model": "t1", "prompt": "<|user|>Hello!<|end|><|assistant|>", "max_tokens": 1500, "ignore_eos": true, "stream": true});
+    // One streaming request holds the only permit.
+    let resp = c.post(url.clone()).json(&long).send().await.unwrap();
+    assert_eq!(resp.status(), 200);
+    let mut body = resp.bytes_stream();
+    let first = body.next().await.unwrap().unwrap();
+    assert!(first.starts_with(b"data: "));
+    let r = c
+        .post(url.clone())
+        .json(&json!({"model": "t1", "prompt": "hi", "max_tokens": 2}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 429);
+    assert!(r.headers().contains_key("retry-after"));
+    let e: Value = r.json().await.unwrap();
+    assert_eq!(e["error"]["type"], "rate_limit_error");
+
+    // The client goes away mid-stream: the sequence is cancelled and the permit returns.
+    drop(body);
+    let mut ok = false;
+    for _ in 0..50 {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        let r = c
+            .post(url.clone())
+            .json(&json!({"model": "t1", "prompt": "hi", "max_tokens": 2, "temperature": 0}))
+            .send()
+            .await
+            .unwrap();
+        if r.status() == 200 {
+            ok = true;
+            break;
+        }
+    }
+    assert!(ok, "the slot never came free after the client left");
+    let m = c
+        .get(format!("{base}/metrics"))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    let cancelled = m
+        .lines()
+        .find(|l| l.starts_with("mesh_cancelled_requests{"))
+        .unwrap();
+    assert!(cancelled.ends_with(" 1"), "{cancelled}");
+}

@@ -1,0 +1,656 @@
+//! Measures the model card of the bundled tiers on the held-out evaluation set.
+//!
+//! ```text
+//! python3 models/recipe/evalset.py --n 100 --out models/fixtures/eval-heldout.jsonl
+//! cargo run --release -p mesh-tiers --example model_card -- \
+//!     --tiers t1,t2,t3 --eval models/fixtures/eval-heldout.jsonl --out models/card.json
+//! ```
+//!
+//! Every prompt is decoded greedily through the crate's own [`Engine`] (continuous
+//! batching, up to `--parallel` requests in flight), at most `--max-tokens` tokens.
+//! Scoring follows `score()` in `models/recipe/train.py`:
+//!
+//! - tool calls are the bodies between `<tool_call>` and `</tool_call>` (an unclosed one runs
+//!   to the end), each parsed as JSON; a turn is exact when the parsed calls equal the
+//!   expected ones, in order (JSON object equality, key order ignored);
+//! - a turn whose expected answer has no call is exact when the output has no call either and
+//!   its text after `</think>` equals the expected text (both trimmed).
+//!
+//! Per tier and per (split, kind), and per hard sub-kind, it reports exact match, the share
+//! of emitted calls that parse as JSON, tool-name accuracy (first call's name, over turns
+//! that expect a call), turns that call at all, mean generated tokens (the end token
+//! included), mean thinking tokens (the text between `<think>` and `</think>`
+//! re-tokenized) and turns cut off by the token budget. Then single-stream decode speed:
+//! `--max-tokens` tokens with end-of-generation banned on one prompt, median of
+//! `--speed-runs`; before each run it waits (up to `--wait-idle-s`) until other processes use
+//! less than `--max-busy` of the CPUs, and records what it saw.
+
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+
+use mesh_tiers::{Engine, EngineConfig, FinishReason, GenerateRequest, TokenEvent};
+use serde_json::{json, Value};
+use tokio::sync::mpsc::UnboundedReceiver;
+use tokio::task::JoinSet;
+
+const THINK: &str = "<think>";
+const END_THINK: &str = "</think>";
+const CALL: &str = "<tool_call>";
+const END_CALL: &str = "</tool_call>";
+const END: &str = "<|end|>";
+
+struct Args {
+    tiers: Vec<String>,
+    eval: PathBuf,
+    out: PathBuf,
+    models: PathBuf,
+    threads: i32,
+    parallel: u32,
+    max_tokens: usize,
+    speed_runs: usize,
+    max_busy: f64,
+    wait_idle_s: u64,
+    outputs: Option<PathBuf>,
+}
+
+fn usage() -> ! {
+    eprintln!(
+        "usage: model_card [--tiers t1,t2,t3] [--eval models/fixtures/eval-heldout.jsonl] \
+         [--out models/card.json] [--models models] [--threads 2] [--parallel 8] \
+         [--max-tokens 128] [--speed-runs 3] [--max-busy 0.25] [--wait-idle-s 600] \
+         [--outputs FILE.jsonl]"
+    );
+    std::process::exit(2)
+}
+
+fn parse_args() -> Args {
+    let mut a = Args {
+        tiers: vec!["t1".into(), "t2".into(), "t3".into()],
+        eval: "models/fixtures/eval-heldout.jsonl".into(),
+        out: "models/card.json".into(),
+        models: "models".into(),
+        threads: 2,
+        parallel: 8,
+        max_tokens: 128,
+        speed_runs: 3,
+        max_busy: 0.25,
+        wait_idle_s: 600,
+        outputs: None,
+    };
+    let mut it = std::env::args().skip(1);
+    while let Some(flag) = it.next() {
+        let mut val = || it.next().unwrap_or_else(|| usage());
+        let num = |s: String| -> f64 { s.parse().unwrap_or_else(|_| usage()) };
+        match flag.as_str() {
+            "--tiers" => a.tiers = val().split(',').map(|s| s.trim().to_owned()).collect(),
+            "--eval" => a.eval = val().into(),
+            "--out" => a.out = val().into(),
+            "--models" => a.models = val().into(),
+            "--threads" => a.threads = num(val()) as i32,
+            "--parallel" => a.parallel = num(val()) as u32,
+            "--max-tokens" => a.max_tokens = num(val()) as usize,
+            "--speed-runs" => a.speed_runs = num(val()) as usize,
+            "--max-busy" => a.max_busy = num(val()),
+            "--wait-idle-s" => a.wait_idle_s = num(val()) as u64,
+            "--outputs" => a.outputs = Some(val().into()),
+            _ => usage(),
+        }
+    }
+    a
+}
+
+/// One held-out task.
+struct Task {
+    kind: String,
+    sub: String,
+    split: String,
+    prompt: String,
+    completion: String,
+}
+
+fn load_tasks(path: &PathBuf) -> Vec<Task> {
+    let text = std::fs::read_to_string(path).unwrap_or_else(|e| {
+        panic!(
+            "{}: {e} (write it with models/recipe/evalset.py)",
+            path.display()
+        )
+    });
+    text.lines()
+        .filter(|l| !l.trim().is_empty())
+        .map(|l| {
+            let v: Value = serde_json::from_str(l).expect("eval line is JSON");
+            let s = |k: &str| {
+                v[k].as_str()
+                    .unwrap_or_else(|| panic!("eval line lacks {k}"))
+                    .to_owned()
+            };
+            Task {
+                kind: s("kind"),
+                sub: s("sub"),
+                split: s("split"),
+                prompt: s("prompt"),
+                completion: s("completion"),
+            }
+        })
+        .collect()
+}
+
+/// `parse_calls()` of train.py: one entry per `<tool_call>`, `None` when its body is not JSON.
+fn parse_calls(text: &str) -> Vec<Option<Value>> {
+    text.split(CALL)
+        .skip(1)
+        .map(|part| {
+            let body = part.split(END_CALL).next().unwrap_or("");
+            serde_json::from_str::<Value>(body).ok()
+        })
+        .collect()
+}
+
+/// Text after the last `</think>` (the whole text when there is none).
+fn answer_text(text: &str) -> &str {
+    text.rsplit(END_THINK).next().unwrap_or(text)
+}
+
+/// Text between the first `<think>` and the following `</think>` (to the end when unclosed).
+fn reasoning(text: &str) -> Option<&str> {
+    let start = text.find(THINK)? + THINK.len();
+    let rest = &text[start..];
+    Some(rest.find(END_THINK).map_or(rest, |e| &rest[..e]))
+}
+
+fn call_name(c: &Option<Value>) -> Option<&str> {
+    c.as_ref()?.get("name")?.as_str()
+}
+
+/// What one greedy run gave and how it scores.
+#[derive(Default, Clone)]
+struct Scored {
+    exact: bool,
+    calls_emitted: usize,
+    calls_valid: usize,
+    expects_call: bool,
+    name_right: bool,
+    called: bool,
+    generated: usize,
+    thinking: usize,
+    truncated: bool,
+}
+
+fn score(
+    task: &Task,
+    text: &str,
+    generated: usize,
+    truncated: bool,
+    think_tokens: usize,
+) -> Scored {
+    let want = parse_calls(&task.completion);
+    let got = parse_calls(text);
+    let expected_answer = answer_text(&task.completion).replace(END, "");
+    let exact =
+        want == got && (!want.is_empty() || answer_text(text).trim() == expected_answer.trim());
+    Scored {
+        exact,
+        calls_emitted: got.len(),
+        calls_valid: got.iter().filter(|c| c.is_some()).count(),
+        expects_call: !want.is_empty(),
+        name_right: !want.is_empty()
+            && got
+                .first()
+                .is_some_and(|g| call_name(g).is_some() && call_name(g) == call_name(&want[0])),
+        called: !got.is_empty(),
+        generated,
+        thinking: think_tokens,
+        truncated,
+    }
+}
+
+/// Figures of one group of tasks.
+#[derive(Default)]
+struct Agg {
+    n: usize,
+    exact: usize,
+    calls_emitted: usize,
+    calls_valid: usize,
+    expects_call: usize,
+    name_right: usize,
+    called: usize,
+    generated: usize,
+    thinking: usize,
+    truncated: usize,
+}
+
+impl Agg {
+    fn add(&mut self, s: &Scored) {
+        self.n += 1;
+        self.exact += usize::from(s.exact);
+        self.calls_emitted += s.calls_emitted;
+        self.calls_valid += s.calls_valid;
+        self.expects_call += usize::from(s.expects_call);
+        self.name_right += usize::from(s.name_right);
+        self.called += usize::from(s.called);
+        self.generated += s.generated;
+        self.thinking += s.thinking;
+        self.truncated += s.truncated as usize;
+    }
+
+    fn ratio(a: usize, b: usize) -> Value {
+        if b == 0 {
+            Value::Null
+        } else {
+            json!(a as f64 / b as f64)
+        }
+    }
+
+    fn to_json(&self) -> Value {
+        json!({
+            "n": self.n,
+            "exact": self.exact,
+            "exact_rate": Self::ratio(self.exact, self.n),
+            "calls_emitted": self.calls_emitted,
+            "calls_valid_json": self.calls_valid,
+            "valid_json_rate": Self::ratio(self.calls_valid, self.calls_emitted),
+            "expects_call": self.expects_call,
+            "tool_name_right": self.name_right,
+            "tool_name_accuracy": Self::ratio(self.name_right, self.expects_call),
+            "turns_with_call": self.called,
+            "call_rate": Self::ratio(self.called, self.n),
+            "mean_generated_tokens": Self::ratio(self.generated, self.n),
+            "mean_thinking_tokens": Self::ratio(self.thinking, self.n),
+            "truncated": self.truncated,
+        })
+    }
+}
+
+struct Outcome {
+    tokens: usize,
+    text: String,
+    finish: Option<FinishReason>,
+    first_token: Option<Instant>,
+    last_token: Option<Instant>,
+}
+
+async fn collect(mut rx: UnboundedReceiver<TokenEvent>) -> Result<Outcome, String> {
+    let mut o = Outcome {
+        tokens: 0,
+        text: String::new(),
+        finish: None,
+        first_token: None,
+        last_token: None,
+    };
+    while let Some(ev) = tokio::time::timeout(Duration::from_secs(600), rx.recv())
+        .await
+        .map_err(|_| "engine stalled for 600 s".to_owned())?
+    {
+        match ev {
+            TokenEvent::Started { .. } => {}
+            TokenEvent::Token { text, .. } => {
+                let now = Instant::now();
+                o.first_token.get_or_insert(now);
+                o.last_token = Some(now);
+                o.tokens += 1;
+                o.text.push_str(&text);
+            }
+            TokenEvent::Done {
+                finish,
+                tail,
+                usage,
+            } => {
+                o.text.push_str(&tail);
+                o.finish = Some(finish);
+                o.tokens = usage.completion_tokens;
+                return Ok(o);
+            }
+            TokenEvent::Error(e) => return Err(e),
+        }
+    }
+    Err("event stream ended without Done".into())
+}
+
+/// Tokens of `text` without the BOS the tokenizer adds.
+fn count_tokens(engine: &Engine, bos: &[i32], text: &str) -> usize {
+    let ids = engine.tokenize(text);
+    ids.len() - if ids.starts_with(bos) { bos.len() } else { 0 }
+}
+
+/// (busy, total) jiffies of all CPUs from /proc/stat.
+fn cpu_jiffies() -> Option<(u64, u64)> {
+    let stat = std::fs::read_to_string("/proc/stat").ok()?;
+    let line = stat.lines().next()?;
+    let v: Vec<u64> = line
+        .split_whitespace()
+        .skip(1)
+        .filter_map(|x| x.parse().ok())
+        .collect();
+    let total: u64 = v.iter().take(8).sum();
+    let idle = v.get(3)? + v.get(4).copied().unwrap_or(0);
+    Some((total - idle, total))
+}
+
+/// Share of all CPUs busy over `window` (while this process is idle: other processes' load).
+fn cpu_busy(window: Duration) -> Option<f64> {
+    let (b0, t0) = cpu_jiffies()?;
+    std::thread::sleep(window);
+    let (b1, t1) = cpu_jiffies()?;
+    (t1 > t0).then(|| (b1 - b0) as f64 / (t1 - t0) as f64)
+}
+
+fn wait_for_idle(max_busy: f64, limit: Duration) -> (Option<f64>, f64) {
+    let start = Instant::now();
+    loop {
+        let busy = cpu_busy(Duration::from_secs(2));
+        match busy {
+            Some(b) if b > max_busy && start.elapsed() < limit => {
+                eprintln!("  machine busy ({:.0}% of CPUs), waiting", b * 100.0);
+                std::thread::sleep(Duration::from_secs(8));
+            }
+            _ => return (busy, start.elapsed().as_secs_f64()),
+        }
+    }
+}
+
+fn machine_info() -> Value {
+    let cpuinfo = std::fs::read_to_string("/proc/cpuinfo").unwrap_or_default();
+    let cpu = cpuinfo
+        .lines()
+        .find(|l| l.starts_with("model name"))
+        .and_then(|l| l.split(':').nth(1))
+        .map(|s| s.trim().to_owned())
+        .unwrap_or_else(|| "unknown".into());
+    let nproc = std::thread::available_parallelism().map_or(0, |n| n.get());
+    let mem = std::fs::read_to_string("/proc/meminfo")
+        .ok()
+        .and_then(|m| {
+            m.lines()
+                .find(|l| l.starts_with("MemTotal"))
+                .and_then(|l| l.split_whitespace().nth(1))
+                .and_then(|k| k.parse::<u64>().ok())
+        })
+        .map(|kib| kib / 1024);
+    json!({
+        "nproc": nproc,
+        "cpu_model": cpu,
+        "mem_mib": mem,
+        "os": std::env::consts::OS,
+        "arch": std::env::consts::ARCH,
+    })
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(|a, b| a.total_cmp(b));
+    let n = v.len();
+    if n % 2 == 1 {
+        v[n / 2]
+    } else {
+        (v[n / 2 - 1] + v[n / 2]) / 2.0
+    }
+}
+
+fn group_key(t: &Task) -> String {
+    format!("{}/{}", t.split, t.kind)
+}
+
+fn pct(v: &Value) -> String {
+    v.as_f64()
+        .map_or("–".into(), |x| format!("{:.0}%", x * 100.0))
+}
+
+fn num1(v: &Value) -> String {
+    v.as_f64().map_or("–".into(), |x| format!("{x:.1}"))
+}
+
+#[tokio::main(flavor = "multi_thread", worker_threads = 2)]
+async fn main() {
+    let a = parse_args();
+    let tasks = load_tasks(&a.eval);
+    assert!(!tasks.is_empty(), "no tasks in {}", a.eval.display());
+    eprintln!("{} tasks from {}", tasks.len(), a.eval.display());
+    let mut outputs = a.outputs.as_ref().map(|p| {
+        std::io::BufWriter::new(
+            std::fs::File::create(p).unwrap_or_else(|e| panic!("{}: {e}", p.display())),
+        )
+    });
+
+    let mut tiers_json = serde_json::Map::new();
+    for tier in &a.tiers {
+        let path = a.models.join(format!("{tier}-q8_0.gguf"));
+        let engine = Engine::start(EngineConfig {
+            name: tier.clone(),
+            model: path.clone(),
+            n_ctx: 16384,
+            n_seq_max: a.parallel,
+            n_batch: 512,
+            prefill_chunk: 256,
+            threads: a.threads,
+            max_queue: 1024,
+            ..EngineConfig::default()
+        })
+        .unwrap_or_else(|e| panic!("{tier}: {e}"));
+        let bos = engine.tokenize("");
+        let info = engine.info().clone();
+        eprintln!(
+            "{tier}: {} params, {} bytes; evaluating",
+            info.n_params, info.size_bytes
+        );
+
+        // Greedy decoding of every task, `parallel` requests in flight.
+        let started = Instant::now();
+        let mut results: Vec<Option<Outcome>> = (0..tasks.len()).map(|_| None).collect();
+        let mut prompt_tokens = 0usize;
+        let mut inflight = JoinSet::new();
+        let mut next = 0;
+        while next < tasks.len() || !inflight.is_empty() {
+            while next < tasks.len() && inflight.len() < a.parallel as usize {
+                let prompt = engine.tokenize(&tasks[next].prompt);
+                prompt_tokens += prompt.len();
+                let rx = engine
+                    .submit(GenerateRequest {
+                        prompt,
+                        max_tokens: a.max_tokens,
+                        request_id: format!("{tier}-{next}"),
+                        ..Default::default()
+                    })
+                    .unwrap_or_else(|e| panic!("{tier} task {next}: {e}"));
+                let i = next;
+                inflight.spawn(async move { (i, collect(rx).await) });
+                next += 1;
+            }
+            if let Some(r) = inflight.join_next().await {
+                let (i, o) = r.expect("collector task");
+                results[i] = Some(o.unwrap_or_else(|e| panic!("{tier} task {i}: {e}")));
+            }
+        }
+        let eval_s = started.elapsed().as_secs_f64();
+
+        let mut groups: BTreeMap<String, Agg> = BTreeMap::new();
+        let mut total_generated = 0usize;
+        for (i, (t, o)) in tasks.iter().zip(&results).enumerate() {
+            let o = o.as_ref().expect("every task ran");
+            let think = reasoning(&o.text).map_or(0, |r| count_tokens(&engine, &bos, r));
+            let s = score(
+                t,
+                &o.text,
+                o.tokens,
+                o.finish == Some(FinishReason::Length),
+                think,
+            );
+            total_generated += o.tokens;
+            let mut keys = vec![group_key(t), t.split.clone(), "all".to_owned()];
+            if t.kind == "hard" {
+                keys.push(format!("{}/hard/{}", t.split, t.sub));
+                keys.push(format!("all/hard/{}", t.sub));
+            }
+            keys.push(format!("all/{}", t.kind));
+            for k in keys {
+                groups.entry(k).or_default().add(&s);
+            }
+            if let Some(w) = outputs.as_mut() {
+                use std::io::Write;
+                let line = json!({"tier": tier, "i": i, "split": t.split, "kind": t.kind, "sub": t.sub,
+                                  "exact": s.exact, "output": o.text, "expected": t.completion});
+                writeln!(w, "{line}").expect("write outputs");
+            }
+        }
+        eprintln!(
+            "{tier}: {} tasks in {eval_s:.1} s ({:.1} generated tok/s with {} in flight)",
+            tasks.len(),
+            total_generated as f64 / eval_s,
+            a.parallel
+        );
+
+        // Single-stream decode speed.
+        let speed_prompt = engine.tokenize(&tasks[0].prompt);
+        let mut runs = Vec::new();
+        for run in 0..a.speed_runs {
+            let (busy, waited) = wait_for_idle(a.max_busy, Duration::from_secs(a.wait_idle_s));
+            let t0 = Instant::now();
+            let rx = engine
+                .submit(GenerateRequest {
+                    prompt: speed_prompt.clone(),
+                    max_tokens: a.max_tokens,
+                    ignore_eos: true,
+                    request_id: format!("{tier}-speed-{run}"),
+                    ..Default::default()
+                })
+                .expect("speed request");
+            let o = collect(rx).await.expect("speed run");
+            let total_s = t0.elapsed().as_secs_f64();
+            assert_eq!(o.tokens, a.max_tokens, "ignore_eos run stopped early");
+            let (first, last) = (
+                o.first_token.expect("tokens"),
+                o.last_token.expect("tokens"),
+            );
+            let decode_s = (last - first).as_secs_f64();
+            let decode_tps = (o.tokens - 1) as f64 / decode_s;
+            let ttft_ms = (first - t0).as_secs_f64() * 1e3;
+            eprintln!(
+                "  speed run {run}: {decode_tps:.1} tok/s decode, first token {ttft_ms:.0} ms (others busy {:.0}%)",
+                busy.unwrap_or(f64::NAN) * 100.0
+            );
+            runs.push(json!({
+                "tokens": o.tokens,
+                "decode_tok_s": decode_tps,
+                "end_to_end_tok_s": o.tokens as f64 / total_s,
+                "first_token_ms": ttft_ms,
+                "prompt_tokens": speed_prompt.len(),
+                "cpu_busy_before": busy,
+                "waited_s": waited,
+            }));
+        }
+        let decode: Vec<f64> = runs
+            .iter()
+            .filter_map(|r| r["decode_tok_s"].as_f64())
+            .collect();
+        let e2e: Vec<f64> = runs
+            .iter()
+            .filter_map(|r| r["end_to_end_tok_s"].as_f64())
+            .collect();
+        let ttft: Vec<f64> = runs
+            .iter()
+            .filter_map(|r| r["first_token_ms"].as_f64())
+            .collect();
+
+        let groups_json: serde_json::Map<String, Value> = groups
+            .iter()
+            .map(|(k, g)| (k.clone(), g.to_json()))
+            .collect();
+        tiers_json.insert(
+            tier.clone(),
+            json!({
+                "model": path.display().to_string(),
+                "file_bytes": info.size_bytes,
+                "n_params": info.n_params,
+                "n_ctx_train": info.n_ctx_train,
+                "eval": {
+                    "seconds": eval_s,
+                    "prompt_tokens": prompt_tokens,
+                    "generated_tokens": total_generated,
+                    "generated_tok_s": total_generated as f64 / eval_s,
+                },
+                "groups": groups_json,
+                "speed": {
+                    "single_stream_decode_tok_s": if decode.is_empty() { Value::Null } else { json!(median(decode)) },
+                    "single_stream_end_to_end_tok_s": if e2e.is_empty() { Value::Null } else { json!(median(e2e)) },
+                    "first_token_ms": if ttft.is_empty() { Value::Null } else { json!(median(ttft)) },
+                    "runs": runs,
+                },
+            }),
+        );
+        drop(engine);
+    }
+    if let Some(mut w) = outputs {
+        use std::io::Write;
+        w.flush().expect("flush outputs");
+    }
+
+    let card = json!({
+        "eval_set": a.eval.display().to_string(),
+        "n_tasks": tasks.len(),
+        "decoding": {"sampling": "greedy", "max_tokens": a.max_tokens, "in_flight": a.parallel,
+                     "threads": a.threads, "engine": "mesh-tiers Engine (llama.cpp via llama-cpp-2)"},
+        "machine": machine_info(),
+        "tiers": tiers_json,
+    });
+    if let Some(dir) = a.out.parent().filter(|d| !d.as_os_str().is_empty()) {
+        std::fs::create_dir_all(dir).expect("output folder");
+    }
+    std::fs::write(
+        &a.out,
+        serde_json::to_string_pretty(&card).expect("json") + "\n",
+    )
+    .unwrap_or_else(|e| panic!("{}: {e}", a.out.display()));
+    eprintln!("wrote {}", a.out.display());
+    print!("{}", markdown(&card, &a.tiers));
+}
+
+fn markdown(card: &Value, tiers: &[String]) -> String {
+    let mut out = String::new();
+    let tier_groups = |t: &str| card["tiers"][t]["groups"].clone();
+    let mut keys: Vec<String> = Vec::new();
+    for split in ["heldout_requests", "heldout_tools"] {
+        for kind in ["call", "hard", "none", "result"] {
+            keys.push(format!("{split}/{kind}"));
+        }
+        for sub in ["arith", "convert", "choose", "plan"] {
+            keys.push(format!("{split}/hard/{sub}"));
+        }
+        keys.push(split.to_owned());
+    }
+    keys.push("all".into());
+    out.push_str("| tier | split/kind | n | exact | valid JSON | tool name | mean gen tok | mean think tok |\n");
+    out.push_str("|---|---|---:|---:|---:|---:|---:|---:|\n");
+    for t in tiers {
+        let g = tier_groups(t);
+        for k in &keys {
+            let v = &g[k];
+            if v.is_null() {
+                continue;
+            }
+            out.push_str(&format!(
+                "| {t} | {k} | {} | {} ({}) | {} | {} | {} | {} |\n",
+                v["n"],
+                pct(&v["exact_rate"]),
+                v["exact"],
+                pct(&v["valid_json_rate"]),
+                pct(&v["tool_name_accuracy"]),
+                num1(&v["mean_generated_tokens"]),
+                num1(&v["mean_thinking_tokens"]),
+            ));
+        }
+    }
+    out.push_str("\n| tier | params | file | decode tok/s (1 stream) | first token ms |\n");
+    out.push_str("|---|---:|---:|---:|---:|\n");
+    for t in tiers {
+        let v = &card["tiers"][t];
+        out.push_str(&format!(
+            "| {t} | {:.1} M | {:.1} MiB | {} | {} |\n",
+            v["n_params"].as_f64().unwrap_or(0.0) / 1e6,
+            v["file_bytes"].as_f64().unwrap_or(0.0) / (1024.0 * 1024.0),
+            num1(&v["speed"]["single_stream_decode_tok_s"]),
+            v["speed"]["first_token_ms"]
+                .as_f64()
+                .map_or("–".into(), |x| format!("{x:.0}")),
+        ));
+    }
+    out
+}
