@@ -115,6 +115,10 @@ fn decode_rates(samples: &[&Sample]) -> Vec<f64> {
     samples.iter().filter_map(|s| s.decode_tok_s).collect()
 }
 
+fn samples(b: &Batch) -> Vec<&Sample> {
+    b.samples.iter().collect()
+}
+
 /// Headline values from the measured repetitions.
 pub(crate) fn headline(reps: &[Batch]) -> Headline {
     let per_rep = |f: &dyn Fn(&Batch) -> Option<f64>| -> Option<f64> {
@@ -125,7 +129,6 @@ pub(crate) fn headline(reps: &[Batch]) -> Headline {
         Percentiles::of(&ttfts(&pooled)),
         Percentiles::of(&itls(&pooled)),
     );
-    let samples = |b: &Batch| b.samples.iter().collect::<Vec<_>>();
     BTreeMap::from([
         ("total_tok_s", per_rep(&total_tok_s)),
         (
