@@ -60,7 +60,11 @@ if [[ ! -s "$SDIST" ]]; then
             PIP=(python3 -m pip)
         fi
         say "downloading llama-cpp-python==${VERSION_PIN} sdist from PyPI"
-        "${PIP[@]}" download -q --no-deps --no-binary :all: \
+        # `--no-binary llama-cpp-python`, not `:all:`: pip builds the sdist's
+        # metadata, and `:all:` would also force its build requirements
+        # (scikit-build-core, and cmake/ninja where the system's are unusable)
+        # to be compiled from source.
+        "${PIP[@]}" download -q --no-deps --no-binary llama-cpp-python \
             "llama-cpp-python==${VERSION_PIN}" -d "$SRC_DIR"
         [[ -s "$SDIST" ]] || die "download did not produce $SDIST"
     fi

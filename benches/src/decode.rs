@@ -506,17 +506,35 @@ fn markdown(
     let c = &j["checks"];
     let mesh_flags = &j["targets"]["mesh"]["llama_cpp"]["build_flags"];
     let llama_flags = &j["targets"]["llama-server"]["build_flags"];
+    // With GGML_NATIVE=ON the compiler targets the host (-march=native) and the GGML_AVX*
+    // switches stay OFF in the cache, so they are listed only for non-native builds.
     let flags = |f: &Value| {
-        [
-            "CMAKE_BUILD_TYPE",
-            "GGML_NATIVE",
-            "GGML_AVX2",
-            "GGML_AVX512",
-        ]
-        .iter()
-        .map(|k| format!("{k}={}", f[*k].as_str().unwrap_or("?")))
-        .collect::<Vec<_>>()
-        .join(" ")
+        let get = |k: &str| f[k].as_str().unwrap_or("?").to_owned();
+        let mut parts = vec![format!("CMAKE_BUILD_TYPE={}", get("CMAKE_BUILD_TYPE"))];
+        if get("GGML_NATIVE") == "ON" {
+            parts.push("GGML_NATIVE=ON (-march=native)".into());
+        } else {
+            parts.push(format!("GGML_NATIVE={}", get("GGML_NATIVE")));
+            let simd: Vec<&str> = [
+                "GGML_AVX",
+                "GGML_AVX2",
+                "GGML_FMA",
+                "GGML_F16C",
+                "GGML_AVX512",
+                "GGML_AVX512_VNNI",
+                "GGML_AVX512_BF16",
+            ]
+            .into_iter()
+            .filter(|k| get(k) == "ON")
+            .collect();
+            let simd = if simd.is_empty() {
+                "baseline".to_owned()
+            } else {
+                simd.join(",")
+            };
+            parts.push(format!("SIMD {simd}"));
+        }
+        parts.join(" ")
     };
     let mut out = String::new();
     out.push_str("# decode: mesh vs llama-server\n\n");
@@ -550,7 +568,8 @@ fn markdown(
         "- machine: {} (nproc {}), {:.1} GiB; load average at start {}, at end {}; build processes at start: {}\n",
         s(&m["cpu_model"]), s(&m["nproc"]),
         m["mem_total_kib"].as_f64().unwrap_or(0.0) / (1 << 20) as f64,
-        s(&m["loadavg_start"]), s(&m["loadavg_end"]),
+        load3(&m["loadavg_start"]),
+        load3(&m["loadavg_end"]),
         m["busy_processes_at_start"].as_array().map_or(0, Vec::len),
     ));
     out.push_str(&format!(
@@ -580,6 +599,13 @@ fn markdown(
         shell_join(&j["command_line"])
     ));
     out
+}
+
+/// The 1, 5 and 15 minute load averages of a `/proc/loadavg` line.
+fn load3(v: &Value) -> String {
+    v.as_str().map_or("?".into(), |l| {
+        l.split_whitespace().take(3).collect::<Vec<_>>().join(" ")
+    })
 }
 
 fn shell_join(v: &Value) -> String {

@@ -646,6 +646,8 @@ def main() -> None:
     ap.add_argument("--split", default="train", choices=["train", "heldout_requests", "heldout_tools"])
     ap.add_argument("--catalog", action="store_true", help="print the tool catalog as JSON lines")
     ap.add_argument("--stats", action="store_true", help="print catalog statistics")
+    ap.add_argument("--tasks", action="store_true",
+                    help="print examples as agent tasks (user text, offered tool schemas, expected calls)")
     a = ap.parse_args()
     if a.catalog:
         held = heldout_tool_names(build_catalog())
@@ -658,8 +660,19 @@ def main() -> None:
         print(f"tools={len(tools)} domains={len({t.domain for t in tools})} "
               f"heldout={len(heldout_tool_names(tools))}")
         return
-    for ex in generate(a.seed, a.n, a.split):
-        print(json.dumps(ex.to_json()))
+    for i, ex in enumerate(generate(a.seed, a.n, a.split)):
+        if a.tasks:
+            if ex.kind == "result":
+                continue
+            block = ex.prompt.split(TOOLS + "\n", 1)[1].split("\n" + ETOOLS, 1)[0]
+            user = ex.prompt.split(USR, 1)[1].split(END, 1)[0]
+            calls = [json.loads(c.split(ECALL)[0]) for c in ex.completion.split(CALL)[1:]]
+            answer = None if calls else ex.completion.split(ETHINK)[-1].replace(END, "")
+            print(json.dumps({"id": i, "kind": ex.kind, "sub": ex.sub, "split": a.split, "user": user,
+                              "tools": [json.loads(line) for line in block.split("\n")],
+                              "expected": calls, "answer": answer}))
+        else:
+            print(json.dumps(ex.to_json()))
 
 
 if __name__ == "__main__":

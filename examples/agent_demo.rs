@@ -1,0 +1,254 @@
+//! The main job: start a local mesh node on the bundled models and run a short
+//! agent workload against its OpenAI-compatible API, printing what happened.
+//!
+//! ```text
+//! cargo run --release -p mesh --example agent_demo -- [--tasks N] [--agents N] [--tiers t1,t2,t3]
+//! ```
+//!
+//! Each agent takes a task (a user request plus the tool schemas it may use,
+//! from the held-out split of the bundled corpus), asks the tier for the next
+//! step, executes the tool calls it gets against a local stand-in tool, sends
+//! the results back and prints the final answer. Several agents run at once,
+//! so the engine batches their sequences. At the end a table compares the
+//! tiers on the same tasks.
+
+use std::time::{Duration, Instant};
+
+use mesh::config::{bundled_tiers, models_dir, NodeConfig};
+use serde_json::{json, Value};
+
+struct Args {
+    tasks: usize,
+    agents: usize,
+    tiers: Vec<String>,
+    quiet: bool,
+}
+
+fn args() -> Args {
+    let mut a = Args {
+        tasks: 12,
+        agents: 4,
+        tiers: vec!["t1".into(), "t2".into(), "t3".into()],
+        quiet: false,
+    };
+    let mut it = std::env::args().skip(1);
+    while let Some(flag) = it.next() {
+        let mut val = || it.next().unwrap_or_else(|| panic!("{flag} needs a value"));
+        match flag.as_str() {
+            "--tasks" => a.tasks = val().parse().expect("--tasks N"),
+            "--agents" => a.agents = val().parse().expect("--agents N"),
+            "--tiers" => a.tiers = val().split(',').map(str::to_owned).collect(),
+            "--quiet" => a.quiet = true,
+            "-h" | "--help" => {
+                println!("agent_demo [--tasks N] [--agents N] [--tiers t1,t2,t3] [--quiet]");
+                std::process::exit(0);
+            }
+            other => panic!("unknown flag {other}"),
+        }
+    }
+    a
+}
+
+/// What one agent did with one task.
+struct Outcome {
+    calls: Vec<Value>,
+    answer: String,
+    correct: bool,
+    turns: usize,
+    tokens: u64,
+    elapsed: Duration,
+}
+
+/// The stand-in for a real tool: a deterministic result derived from the call.
+fn run_tool(name: &str, args: &Value) -> Value {
+    let h = blake3::hash(format!("{name}{args}").as_bytes());
+    let b = h.as_bytes();
+    json!({"status": "ok", "value": u16::from_le_bytes([b[0], b[1]]) % 1000, "items": b[2] % 40})
+}
+
+async fn run_task(
+    http: &reqwest::Client,
+    base: &str,
+    tier: &str,
+    task: &Value,
+) -> anyhow::Result<Outcome> {
+    let start = Instant::now();
+    let tools: Vec<Value> = task["tools"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|t| json!({"type": "function", "function": t}))
+        .collect();
+    let mut messages = vec![json!({"role": "user", "content": task["user"]})];
+    let (mut calls, mut tokens, mut turns) = (Vec::new(), 0u64, 0usize);
+    let answer = loop {
+        turns += 1;
+        let body = json!({"model": tier, "messages": messages, "tools": tools, "temperature": 0, "max_tokens": 160});
+        let r: Value = http
+            .post(format!("{base}/v1/chat/completions"))
+            .json(&body)
+            .send()
+            .await?
+            .json()
+            .await?;
+        if let Some(e) = r.get("error") {
+            anyhow::bail!("{e}");
+        }
+        tokens += r["usage"]["total_tokens"].as_u64().unwrap_or(0);
+        let msg = &r["choices"][0]["message"];
+        let made = msg["tool_calls"].as_array().cloned().unwrap_or_default();
+        if made.is_empty() || turns >= 3 {
+            break msg["content"].as_str().unwrap_or("").to_owned();
+        }
+        messages.push(msg.clone());
+        for c in made {
+            let name = c["function"]["name"].as_str().unwrap_or("").to_owned();
+            let args: Value =
+                serde_json::from_str(c["function"]["arguments"].as_str().unwrap_or("{}"))
+                    .unwrap_or(Value::Null);
+            let result = run_tool(&name, &args);
+            calls.push(json!({"name": name, "arguments": args}));
+            messages.push(
+                json!({"role": "tool", "tool_call_id": c["id"], "content": result.to_string()}),
+            );
+        }
+    };
+    let correct = match task["answer"].as_str() {
+        Some(expected) => calls.is_empty() && answer.trim() == expected.trim(),
+        None => calls == task["expected"].as_array().cloned().unwrap_or_default(),
+    };
+    Ok(Outcome {
+        calls,
+        answer,
+        correct,
+        turns,
+        tokens,
+        elapsed: start.elapsed(),
+    })
+}
+
+fn short(s: &str, n: usize) -> String {
+    if s.chars().count() <= n {
+        s.to_owned()
+    } else {
+        format!("{}…", s.chars().take(n).collect::<String>())
+    }
+}
+
+#[tokio::main]
+async fn main() -> anyhow::Result<()> {
+    let a = args();
+    let dir = models_dir();
+    let tasks: Vec<Value> = std::fs::read_to_string(dir.join("fixtures/agent_tasks.jsonl"))?
+        .lines()
+        .take(a.tasks)
+        .map(serde_json::from_str)
+        .collect::<Result<_, _>>()?;
+    let mut tiers = bundled_tiers(&dir);
+    tiers.retain(|t| a.tiers.contains(&t.name));
+    for t in &mut tiers {
+        t.threads = 1;
+        t.n_seq_max = a.agents.max(1) as u32;
+        t.n_ctx = 2048 * t.n_seq_max;
+    }
+    let cfg = NodeConfig {
+        listen: "127.0.0.1:0".parse()?,
+        tiers,
+        ..NodeConfig::default()
+    };
+    let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
+    let t0 = Instant::now();
+    let node = mesh::start(cfg, async move {
+        let _ = stop_rx.await;
+    })
+    .await?;
+    let base = format!("http://{}", node.addr);
+    println!(
+        "mesh node up at {base} with tiers {:?} in {:.1}s",
+        a.tiers,
+        t0.elapsed().as_secs_f64()
+    );
+    println!(
+        "workload: {} agent tasks from the held-out split, {} agents at a time, per tier\n",
+        tasks.len(),
+        a.agents
+    );
+
+    let http = reqwest::Client::new();
+    let mut summary = Vec::new();
+    for tier in &a.tiers {
+        let started = Instant::now();
+        let sem = std::sync::Arc::new(tokio::sync::Semaphore::new(a.agents));
+        let mut handles = Vec::new();
+        for (i, task) in tasks.iter().cloned().enumerate() {
+            let (http, base, tier, sem) = (http.clone(), base.clone(), tier.clone(), sem.clone());
+            handles.push(tokio::spawn(async move {
+                let _p = sem.acquire().await;
+                (i, task.clone(), run_task(&http, &base, &tier, &task).await)
+            }));
+        }
+        let (mut ok, mut toks, mut lat) = (0usize, 0u64, Vec::new());
+        for h in handles {
+            let (i, task, out) = h.await?;
+            let out = out?;
+            ok += usize::from(out.correct);
+            toks += out.tokens;
+            lat.push(out.elapsed.as_secs_f64());
+            if !a.quiet {
+                let calls: Vec<String> = out
+                    .calls
+                    .iter()
+                    .map(|c| format!("{}({})", c["name"].as_str().unwrap_or(""), c["arguments"]))
+                    .collect();
+                println!(
+                    "[{tier}] #{i:<2} {:<12} {}  user: {}\n      calls: {}\n      answer: {}  ({} turns, {:.0} ms)",
+                    format!("{}/{}", task["kind"].as_str().unwrap_or(""), task["sub"].as_str().unwrap_or("")),
+                    if out.correct { "✓" } else { "✗" },
+                    short(task["user"].as_str().unwrap_or(""), 90),
+                    if calls.is_empty() { "(none)".into() } else { short(&calls.join(", "), 140) },
+                    short(&out.answer, 90),
+                    out.turns,
+                    out.elapsed.as_secs_f64() * 1e3
+                );
+            }
+        }
+        let wall = started.elapsed().as_secs_f64();
+        lat.sort_by(f64::total_cmp);
+        summary.push((
+            tier.clone(),
+            ok,
+            tasks.len(),
+            wall,
+            toks,
+            lat[lat.len() / 2],
+            lat[(lat.len() * 95 / 100).min(lat.len() - 1)],
+        ));
+        if !a.quiet {
+            println!();
+        }
+    }
+    println!("| tier | tasks right | tasks/s | tokens (prompt+completion) | p50 task latency | p95 task latency |");
+    println!("|---|---|---|---|---|---|");
+    for (tier, ok, n, wall, toks, p50, p95) in &summary {
+        println!(
+            "| {tier} | {ok}/{n} | {:.2} | {toks} | {:.0} ms | {:.0} ms |",
+            *n as f64 / wall,
+            p50 * 1e3,
+            p95 * 1e3
+        );
+    }
+    let metrics = http
+        .get(format!("{base}/metrics"))
+        .send()
+        .await?
+        .text()
+        .await?;
+    let generated: f64 = metrics
+        .lines()
+        .filter(|l| l.starts_with("mesh_generation_tokens_total{"))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum();
+    println!("\nnode metrics: {generated} tokens generated (see {base}/metrics while it runs)");
+    let _ = stop_tx.send(());
+    node.wait().await
+}
