@@ -26,7 +26,7 @@ pub struct EngineConfig {
     /// GGUF file.
     pub model: PathBuf,
     /// Total KV cells shared by all sequences (unified cache). Memory: cells x bytes per token
-    /// (about 1 KiB per token for the bundled t1, 9 KiB for t3 at f16).
+    /// (at f16: 1.5 KiB per token for the bundled t1, 3.5 KiB for t2, 4.5 KiB for t3).
     pub n_ctx: u32,
     /// Longest sequence (prompt + completion); 0 = the model's training context, capped by `n_ctx`.
     pub max_seq_len: u32,
