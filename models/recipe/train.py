@@ -213,6 +213,8 @@ def cmd_fit(a) -> None:
     cfg = TIERS[a.tier]
     if a.batch:
         cfg.batch = a.batch
+    if a.lr:
+        cfg.lr = a.lr
     torch.manual_seed(a.seed)
     np.random.seed(a.seed)
     dev = torch.device(a.device if a.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -229,7 +231,15 @@ def cmd_fit(a) -> None:
     toks = np.load(os.path.join(a.data, "tokens.npy"))
     mask = np.load(os.path.join(a.data, "mask.npy"))
     seq = a.seq or cfg.ctx
-    model = build_model(cfg).to(dev)
+    model = build_model(cfg)
+    if a.init:
+        # Continue from an exported GGUF (its q8_0 weights, dequantized).
+        from reference import state_dict_from_gguf
+
+        _, tensors = ggufw.read_gguf(a.init)
+        model.load_state_dict(state_dict_from_gguf(tensors), strict=True)
+        say(f"initialised from {a.init}")
+    model = model.to(dev)
     say(f"config {json.dumps(asdict(cfg))} params={n_params(model)} device={dev} seq={seq} data_tokens={len(toks)}")
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.1, fused=dev.type == "cuda")
     toks_t = torch.from_numpy(toks.astype(np.int64))
@@ -461,6 +471,8 @@ def main() -> None:
     f.add_argument("--seq", type=int, default=0, help="training window (default: tier context)")
     f.add_argument("--device", default="auto")
     f.add_argument("--seed", type=int, default=1)
+    f.add_argument("--init", default="", help="start from the weights of this GGUF (continued training)")
+    f.add_argument("--lr", type=float, default=0.0, help="peak learning rate (default: the tier's)")
     f.add_argument("--eval-n", type=int, default=100)
     a = ap.parse_args()
     {"data": cmd_data, "fit": cmd_fit}[a.cmd](a)
