@@ -447,6 +447,21 @@ fn finish_str(f: FinishReason) -> &'static str {
     }
 }
 
+/// Ends an SSE stream: the usage chunk (an empty-choices copy of `template`) when asked for,
+/// then `[DONE]`.
+async fn end_stream(
+    tx: &mpsc::Sender<Result<Event, Infallible>>,
+    template: Option<Value>,
+    usage: mesh_tiers::Usage,
+) {
+    if let Some(mut last) = template {
+        last["choices"] = json!([]);
+        last["usage"] = serde_json::to_value(OutUsage::from(usage)).expect("serializable");
+        let _ = tx.send(sse_data(&last)).await;
+    }
+    let _ = tx.send(Ok(Event::default().data("[DONE]"))).await;
+}
+
 fn sse_data(v: &Value) -> Result<Event, Infallible> {
     Ok(Event::default().data(v.to_string()))
 }
@@ -883,13 +898,7 @@ fn stream_chat(job: Job, mut timed: Timed, include_usage: bool) -> Response {
                 if let Some((finish, usage)) = done {
                     let f = if n_calls > 0 { "tool_calls" } else { finish_str(finish) };
                     let _ = tx.send(sse_data(&chunk(json!({}), Some(f)))).await;
-                    if include_usage {
-                        let mut last = chunk(json!({}), None);
-                        last["choices"] = json!([]);
-                        last["usage"] = serde_json::to_value(OutUsage::from(usage)).expect("serializable");
-                        let _ = tx.send(sse_data(&last)).await;
-                    }
-                    let _ = tx.send(Ok(Event::default().data("[DONE]"))).await;
+                    end_stream(&tx, include_usage.then(|| chunk(json!({}), None)), usage).await;
                     return;
                 }
             }
@@ -971,13 +980,7 @@ async fn completions_inner(state: &AppState, body: &[u8]) -> Result<Response, Ap
                     }
                     TokenEvent::Done { finish, usage, tail } => {
                         let _ = tx.send(sse_data(&chunk(&tail, Some(finish_str(finish))))).await;
-                        if include_usage {
-                            let mut last = chunk("", None);
-                            last["choices"] = json!([]);
-                            last["usage"] = serde_json::to_value(OutUsage::from(usage)).expect("serializable");
-                            let _ = tx.send(sse_data(&last)).await;
-                        }
-                        let _ = tx.send(Ok(Event::default().data("[DONE]"))).await;
+                        end_stream(&tx, include_usage.then(|| chunk("", None)), usage).await;
                         return;
                     }
                     TokenEvent::Error(e) => {
