@@ -8,7 +8,19 @@ use std::time::{Duration, Instant};
 async fn unreachable_collector_does_not_block_and_sigterm_stops() {
     let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
     let mut child = Command::new(env!("CARGO_BIN_EXE_mesh"))
-        .args(["up", "--port", "0", "--only", "t1", "--threads", "2", "--ctx", "4096", "--parallel", "2"])
+        .args([
+            "up",
+            "--port",
+            "0",
+            "--only",
+            "t1",
+            "--threads",
+            "2",
+            "--ctx",
+            "4096",
+            "--parallel",
+            "2",
+        ])
         .current_dir(&root)
         // Nothing listens on port 9: every export fails.
         .env("OTEL_EXPORTER_OTLP_ENDPOINT", "http://127.0.0.1:9")
@@ -35,9 +47,16 @@ async fn unreachable_collector_does_not_block_and_sigterm_stops() {
             .await
             .expect("request answered");
         assert_eq!(r.status(), 200);
-        assert!(t.elapsed() < Duration::from_secs(10), "request took {:?} with a dead collector", t.elapsed());
+        assert!(
+            t.elapsed() < Duration::from_secs(10),
+            "request took {:?} with a dead collector",
+            t.elapsed()
+        );
     }
-    let status = Command::new("kill").args(["-TERM", &child.id().to_string()]).status().unwrap();
+    let status = Command::new("kill")
+        .args(["-TERM", &child.id().to_string()])
+        .status()
+        .unwrap();
     assert!(status.success());
     let deadline = Instant::now() + Duration::from_secs(20);
     loop {
@@ -45,7 +64,10 @@ async fn unreachable_collector_does_not_block_and_sigterm_stops() {
             assert!(s.success(), "mesh exited with {s} after SIGTERM");
             break;
         }
-        assert!(Instant::now() < deadline, "mesh did not stop within 20 s of SIGTERM");
+        assert!(
+            Instant::now() < deadline,
+            "mesh did not stop within 20 s of SIGTERM"
+        );
         std::thread::sleep(Duration::from_millis(100));
     }
 }

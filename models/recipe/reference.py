@@ -8,31 +8,38 @@ to each case of `models/fixtures/greedy-<tier>.json` (the existing "fp32" and
 "q8" fields are kept as they are):
 
 * "q8w":  plain fp32 PyTorch on the q8_0 weights (`train.greedy`).
-* "ggml": the same weights with llama.cpp's CPU arithmetic (x86 AVX2 build,
-  flash attention, f16 KV cache, the context parameters of
-  `tiers/tests/bundled_models.rs`: n_ubatch 512, 2 threads) emulated:
-  - every q8_0 matmul quantizes its input activations to q8_0 like
-    `quantize_row_q8_0` (blocks of 32, d = amax/127 stored as f16,
-    q = round-half-even(x * 127/amax)) and computes sum(qa*qb) * (da*db);
+* "ggml": the same weights with the arithmetic of llama.cpp's CPU backend as
+  the Rust test runs it (llama-cpp-sys-2 0.1.161, x86-64 AVX2/FMA/F16C build,
+  flash attention, f16 KV cache, n_ubatch 512, 2 threads), reproduced op for
+  op so that the logits come out bit-identical:
+  - q8_0 matmuls quantize their f32 input rows like the AVX2
+    `quantize_row_q8_0` (blocks of 32, d = f16(amax/127), q = round-half-even
+    of x * (127/amax)) and accumulate like `ggml_vec_dot_q8_0_q8_0` and
+    llamafile's tinyBLAS_Q0_AVX: eight f32 lanes of four products each, one
+    fma per block with scale dw*dx, then the hsum_float_8 tree;
   - K and V are rounded to f16 when they enter the cache;
-  - flash attention mirrors `ggml_compute_forward_flash_attn_ext_f16`: the
-    tiled f32 kernel for ubatches of >= 64 tokens (Q in f32, K/V from f16,
-    online softmax per 64-key tile with ggml's vectorized expf), the one-row
-    kernel otherwise (Q rounded to f16, f16 dot products with ggml's lane
-    order, the V accumulator kept in f16, scalar expf), and for single-token
-    decodes over >= 512 cache cells the per-thread KV split and its f32 merge;
-  - RMSNorm, RoPE (angles by repeated f32 multiplication) and SwiGLU (ggml's
-    vectorized expf) follow the ggml CPU ops.
-  What is not mirrored bit for bit is the f32 accumulation order inside the
-  q8_0 dot products and the f32 attention GEMMs (computed in float64 here and
-  rounded once); those differ from ggml by a few ulp.
+  - flash attention follows `ggml_compute_forward_flash_attn_ext_f16`: the
+    tiled f32 kernel for ubatches of >= 64 rows (fma chains of simd_gemm,
+    per-64-key online softmax with ggml_v_expf), the one-row kernel
+    otherwise (Q rounded to f16, ggml_vec_dot_f16's lane order, the V
+    accumulator stored in f16 after every step, libm expf) and, for
+    single-token decodes over >= 512 cells, its split of the KV range over
+    the threads and the f32 merge of the partial results; which kernel runs
+    and over how many cells depends on the ubatch split of the prompt and on
+    the cache padding (256 cells), both mirrored here;
+  - RMSNorm (double sum), RoPE (angles by repeated f32 products, libm
+    cosf/sinf, fused multiply-adds) and SwiGLU (ggml_v_expf) as the ggml ops.
+  libm is glibc's: expf is reimplemented from glibc's algorithm, cosf/sinf
+  are called through ctypes.
   "ggml_gap" holds, per generated token, the emulated top-1 minus top-2 logit.
 
     python3 models/recipe/reference.py                 # all tiers
     python3 models/recipe/reference.py --tier t1
     python3 models/recipe/reference.py --tier t2 --cases 3,17 --no-write
 
-Runs on CPU with one thread and is deterministic.
+Runs on CPU (one torch thread by default) and is deterministic; the "ggml"
+results do not depend on the thread count. The exact emulation is slow: about
+4 s per case for t1, 9 s for t2 and 25 s for t3 on one core.
 """
 
 from __future__ import annotations
@@ -153,7 +160,11 @@ def _f16(x):
 
 
 def _fma(a, b, c):
-    """f32 fused multiply-add: the product is exact in float64, one final rounding to f32."""
+    """f32 fused multiply-add: exact product in float64, sum rounded to float64 then to f32.
+
+    (The double rounding can differ from a true fma only when the float64 sum
+    lands exactly on a float32 midpoint after rounding, which needs the exact
+    sum to carry more than 53 significant bits.)"""
     import torch
 
     a = a.double() if isinstance(a, torch.Tensor) else float(a)
@@ -624,9 +635,9 @@ class GgmlCpu:
             live = Sc != 0
             mnew = np.maximum(Mf, Mc)
             with np.errstate(invalid="ignore"):
-                so = np.exp((Mf - mnew).astype(np.float64)).astype(np.float32)
-                sn = np.exp((Mc - mnew).astype(np.float64)).astype(np.float32)
-            so = np.where(np.isnan(so), np.float32(0), so)
+                so = glibc_expf(np.where(live, Mf - mnew, np.float32(0.0)))  # expf(-inf) = 0 for the first
+                sn = glibc_expf(np.where(live, Mc - mnew, np.float32(0.0)))
+            # VKQ = VKQ*scale_old + VKQ_chunk*scale_new, contracted to fma(VKQ, scale_old, VKQ_chunk*scale_new)
             ynew = (yf.astype(np.float64) * so[:, None] + (yc * sn[:, None]).astype(np.float64)).astype(np.float32)
             snew = (Sf.astype(np.float64) * so + (Sc * sn).astype(np.float64)).astype(np.float32)
             yf = np.where(live[:, None], ynew, yf)
@@ -636,9 +647,9 @@ class GgmlCpu:
         out = yf * inv[:, None]
         return torch.from_numpy(out.astype(np.float32)).reshape(H, R, D).transpose(0, 1)
 
-    def attention(self, q, K, V, pos, used):
+    def attention(self, q, K, V, pos, used, R: int):
+        """Flash attention of the ubatch's rows q (a subset of its R rows) over cells [0, used)."""
         n_kv = self.n_kv(used)
-        R = q.shape[0]
         if R == 1 and n_kv >= FA_SPLIT_KV_MIN:
             return self.attn_split(q, K, V, pos, n_kv)
         if R >= FA_TILE_Q:
@@ -661,19 +672,23 @@ class GgmlCpu:
         pos = torch.arange(start, start + T)
         x = self.tok[torch.tensor(ids)]
         for li, L in enumerate(self.layers):
-            last = li == cfg.layers - 1
             h = rms_norm(x, L["attn_norm"], self.eps)
-            q = self.rope(self.mm(h, L["wq"]).view(T, cfg.heads, hd), pos)
             k = self.rope(self.mm(h, L["wk"]).view(T, cfg.kv_heads, hd), pos)
             v = self.mm(h, L["wv"]).view(T, cfg.kv_heads, hd)
             K, V = cache[li]
-            K[start:start + T] = _f16(k)
+            K[start:start + T] = _f16(k)  # the cache is F16
             V[start:start + T] = _f16(v)
-            a = self.attention(q, K, V, pos, start + T)
-            if last:  # llama.cpp keeps only the output rows from here on
+            rows = slice(None)
+            if li == cfg.layers - 1:
+                # llama.cpp keeps only the output row after the last attention; every
+                # op here is row-wise, so only that row is computed (with the kernel
+                # choice of the whole ubatch).
                 if not want_logits:
                     return None
-                a, x = a[-1:], x[-1:]
+                rows = slice(T - 1, T)
+                x, h = x[rows], h[rows]
+            q = self.rope(self.mm(h, L["wq"]).view(-1, cfg.heads, hd), pos[rows])
+            a = self.attention(q, K, V, pos[rows], start + T, T)
             x = x + self.mm(a.reshape(a.shape[0], -1), L["wo"])
             h = rms_norm(x, L["ffn_norm"], self.eps)
             x = x + self.mm(silu_mul(self.mm(h, L["w_gate"]), self.mm(h, L["w_up"])), L["w_down"])
@@ -771,6 +786,8 @@ def main() -> None:
         if m not in ("ggml", "q8w"):
             ap.error(f"unknown mode {m}")
     cases = [int(c) for c in a.cases.split(",")] if a.cases else None
+    if "ggml" in modes:
+        print(check_libm(), flush=True)
     for tier in a.tier or sorted(TIERS):
         run_tier(tier, a.models, a.fixtures, modes, cases, not a.no_write)
 

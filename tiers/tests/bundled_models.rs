@@ -5,14 +5,21 @@
 //! - "fp32": the trained fp32 PyTorch model (GPU, from `train.py`);
 //! - "q8": the same with q8_0-rounded weights (GPU, from `train.py`);
 //! - "q8w": fp32 PyTorch on the GGUF's q8_0 weights (CPU, `reference.py`);
-//! - "ggml": the GGUF's weights with llama.cpp's CPU arithmetic emulated
-//!   (q8_0 activations in every matmul, f16 KV cache, flash attention;
-//!   `reference.py`), with "ggml_gap", its top-1 minus top-2 logit per token.
+//! - "ggml": the GGUF's weights with llama.cpp's CPU arithmetic reproduced in
+//!   PyTorch (q8_0-quantized activations in every matmul, f16 KV cache, the
+//!   flash-attention kernels; `reference.py`), and "ggml_gap", its top-1
+//!   minus top-2 logit per generated token.
 //!
-//! llama.cpp must produce the "ggml" tokens on at least 99 prompts of each
-//! tier and the fp32 tokens on at least 90, and its tokenizer must give the
-//! same prompt ids. Refresh the references with
-//! `python3 models/recipe/reference.py` after replacing a GGUF.
+//! The fp32 model and llama.cpp part ways on near-ties (llama.cpp quantizes
+//! activations to 8 bits), so llama.cpp must produce the fp32 tokens on at
+//! least 90 prompts of each tier, and the "ggml" tokens on at least 99. The
+//! "ggml" emulation mirrors the x86 AVX2 kernels of the pinned llama.cpp
+//! (llama-cpp-sys-2 0.1.161) with this test's context parameters (n_ubatch
+//! 512, 2 threads, flash attention on, f16 cache), where it gives the same
+//! logits bit for bit; the one-prompt slack covers builds with other kernels.
+//! The tokenizer must give the same prompt ids. Refresh the references with
+//! `python3 models/recipe/reference.py` after replacing a GGUF or changing
+//! those parameters.
 
 use std::num::NonZeroU32;
 use std::path::{Path, PathBuf};
@@ -133,13 +140,6 @@ fn check_tier(tier: &str) {
         let mut last = batch.n_tokens() - 1;
         for _ in 0..fx.max_new {
             let (t, gap) = top2(ctx.get_logits_ith(last));
-            if let Ok(d) = std::env::var("MESH_DUMP_LOGITS") {
-                if i < 10 && out.len() < 4 {
-                    let l = ctx.get_logits_ith(last);
-                    let b: Vec<u8> = l.iter().flat_map(|x| x.to_le_bytes()).collect();
-                    std::fs::write(format!("{d}/{tier}-{i}-{}.f32", out.len()), b).unwrap();
-                }
-            }
             out.push(t);
             gaps.push(gap);
             if vocab.is_eog(LlamaToken(t)) {
