@@ -133,7 +133,7 @@ pub(crate) async fn run(args: DecodeArgs) -> Result<()> {
         )
         .context("progress template")?,
     );
-    progress.enable_steady_tick(Duration::from_millis(200));
+    progress.enable_steady_tick(Duration::from_millis(500));
 
     let mut servers: Vec<Server> = Vec::new();
     let outcome = tokio::select! {
@@ -260,6 +260,7 @@ async fn bench(
         "--cont-batching",
         "--cache-prompt",
         "--no-webui",
+        "--metrics",
     ]
     .map(String::from)
     .to_vec();
@@ -290,8 +291,10 @@ async fn bench(
         llama_port,
         args.sibling(".llama-server.log"),
     )?);
+    // One fresh connection per request, for both targets: llama-server can close a connection
+    // after a streamed response, and reusing it from a pool races with that close.
     let client = reqwest::Client::builder()
-        .pool_max_idle_per_host(64)
+        .pool_max_idle_per_host(0)
         .tcp_nodelay(true)
         .build()?;
     let mut ready_s = Vec::new();
@@ -346,6 +349,10 @@ async fn bench(
             next_prompt += streams * args.rounds;
         }
         runs.push(w);
+    }
+    let mut metrics = Vec::new();
+    for s in servers.iter() {
+        metrics.push(s.metrics(&client).await);
     }
     let peak_rss_kib: Vec<Option<u64>> = servers.iter().map(|s| s.status_kib("VmHWM")).collect();
     let rss_kib: Vec<Option<u64>> = servers.iter().map(|s| s.status_kib("VmRSS")).collect();
@@ -410,6 +417,7 @@ async fn bench(
     let json = json!({
         "benchmark": "decode",
         "command_line": command_line,
+        "cwd": std::env::current_dir().ok().map(|d| d.display().to_string()),
         "started_unix_s": started_unix,
         "duration_s": elapsed_s,
         "git": machine::git_state(),
@@ -444,11 +452,13 @@ async fn bench(
             "prompts": "chat format with tool schemas from the catalog; prompt k lists catalog entries k, k+37, ...; never reused within a target",
             "catalog": args.catalog.display().to_string(),
             "endpoint": "/v1/completions",
+            "connections": "a new TCP connection per request (no keep-alive reuse)",
         },
         "targets": {
             TARGETS[0]: {
                 "binary": args.mesh_bin.display().to_string(),
                 "version": machine::run_text(&args.mesh_bin, &["--version"]),
+                "binary_modified_unix_s": machine::modified_unix_s(&args.mesh_bin),
                 "llama_cpp": {
                     "crates": lock_versions,
                     "cmake_cache": mesh_cmake.as_ref().map(|p| p.display().to_string()),
@@ -460,10 +470,12 @@ async fn bench(
                 "ready_s": ready_s[0],
                 "peak_rss_kib": peak_rss_kib[0],
                 "rss_at_end_kib": rss_kib[0],
+                "metrics_at_end": metrics[0],
             },
             TARGETS[1]: {
                 "binary": args.llama_server.display().to_string(),
                 "version": machine::run_text(&args.llama_server, &["--version"]),
+                "binary_modified_unix_s": machine::modified_unix_s(&args.llama_server),
                 "build_flags": llama_cmake.as_deref().and_then(machine::cmake_flags),
                 "config_notes": {
                     "prompt_cache": "on (--cache-prompt, cache_prompt: true per request; --cache-ram default)",
@@ -475,6 +487,7 @@ async fn bench(
                 "ready_s": ready_s[1],
                 "peak_rss_kib": peak_rss_kib[1],
                 "rss_at_end_kib": rss_kib[1],
+                "metrics_at_end": metrics[1],
             },
         },
         "checks": checks,
@@ -583,6 +596,20 @@ fn markdown(
             .unwrap_or("?"),
         flags(llama_flags),
     ));
+    let lm = &j["targets"]["llama-server"]["metrics_at_end"];
+    let num = |k: &str| lm[k].as_f64();
+    if let (Some(evaluated), Some(cached)) = (
+        num("llamacpp:prompt_tokens_total"),
+        num("llamacpp:prompt_tokens_cached_total"),
+    ) {
+        let total = evaluated + cached;
+        out.push_str(&format!(
+            "- llama-server prompt cache: {cached:.0} of {total:.0} prompt tokens reused ({:.1}%); {} llama_decode calls, {} busy slots per call on average (whole run, warm-ups included)\n",
+            if total > 0.0 { 100.0 * cached / total } else { 0.0 },
+            num("llamacpp:n_decode_total").map_or("?".into(), |v| format!("{v:.0}")),
+            num("llamacpp:n_busy_slots_per_decode").map_or("?".into(), |v| format!("{v:.2}")),
+        ));
+    }
     if model_bytes < 64 << 20 {
         out.push_str("- bound: the weights fit in CPU cache, so decode here is bound by per-step overhead and compute, not memory bandwidth; no bandwidth fraction is given.\n");
     }

@@ -154,6 +154,12 @@ pub(crate) fn git_state() -> Value {
     json!({"commit": commit, "dirty": dirty})
 }
 
+/// Modification time of a file, seconds since the Unix epoch.
+pub(crate) fn modified_unix_s(path: &Path) -> Option<u64> {
+    let t = std::fs::metadata(path).ok()?.modified().ok()?;
+    Some(t.duration_since(std::time::UNIX_EPOCH).ok()?.as_secs())
+}
+
 fn read_trimmed(path: &str) -> Option<String> {
     std::fs::read_to_string(path)
         .ok()

@@ -119,6 +119,25 @@ impl Server {
             .and_then(|v| v.parse().ok())
     }
 
+    /// `GET /metrics` as `series -> value`, histogram buckets left out (they stay in the
+    /// server's own scrape). Empty when the server has no such endpoint. Cancel-safe.
+    pub(crate) async fn metrics(
+        &self,
+        client: &reqwest::Client,
+    ) -> serde_json::Map<String, serde_json::Value> {
+        let url = format!("{}/metrics", self.base_url);
+        let text = match client
+            .get(&url)
+            .timeout(Duration::from_secs(5))
+            .send()
+            .await
+        {
+            Ok(r) if r.status().is_success() => r.text().await.unwrap_or_default(),
+            _ => String::new(),
+        };
+        parse_prometheus(&text)
+    }
+
     /// Kills the child and waits for it to be reaped.
     pub(crate) async fn stop(mut self) -> Option<ExitStatus> {
         // An error here means the child is already gone; `wait` still reaps it.
@@ -127,9 +146,44 @@ impl Server {
     }
 }
 
+/// Samples of a Prometheus text exposition, without comments and histogram buckets.
+fn parse_prometheus(text: &str) -> serde_json::Map<String, serde_json::Value> {
+    let mut out = serde_json::Map::new();
+    for line in text.lines().map(str::trim) {
+        if line.is_empty() || line.starts_with('#') {
+            continue;
+        }
+        let Some((series, value)) = line.rsplit_once(' ') else {
+            continue;
+        };
+        if series.contains("_bucket") {
+            continue;
+        }
+        if let Ok(v) = value.parse::<f64>() {
+            out.insert(series.to_owned(), serde_json::json!(v));
+        }
+    }
+    out
+}
+
 /// The last `n` lines of a log file (empty when unreadable).
 fn log_tail(path: &Path, n: usize) -> String {
     let text = std::fs::read_to_string(path).unwrap_or_default();
     let lines: Vec<&str> = text.lines().collect();
     lines[lines.len().saturating_sub(n)..].join("\n")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn prometheus_samples_without_comments_and_buckets() {
+        let text = "# HELP x\n# TYPE x counter\nmesh_generation_tokens_total{model=\"t1\"} 8\n\
+                    mesh_ttft_seconds_bucket{le=\"0.1\"} 1\nllamacpp:n_decode_total 42\nbad line x\n";
+        let m = parse_prometheus(text);
+        assert_eq!(m.len(), 2);
+        assert_eq!(m["mesh_generation_tokens_total{model=\"t1\"}"], 8.0);
+        assert_eq!(m["llamacpp:n_decode_total"], 42.0);
+    }
 }

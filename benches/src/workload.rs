@@ -84,7 +84,7 @@ fn user_request(tool: &Value, k: usize) -> String {
                 ("city", _) => CITIES[k % CITIES.len()].to_owned(),
                 ("date", _) => format!("2025-{:02}-{:02}", k % 12 + 1, k % 28 + 1),
                 (_, Some("integer" | "number")) => (k % 97 + 2).to_string(),
-                (_, Some("boolean")) => (k % 2 == 0).to_string(),
+                (_, Some("boolean")) => (k & 1 == 0).to_string(),
                 _ => format!("{name} {}", k % 50 + 1),
             };
             args.push(format!("{name} {value}"));

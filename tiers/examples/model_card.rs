@@ -16,11 +16,19 @@
 //! - a turn whose expected answer has no call is exact when the output has no call either and
 //!   its text after `</think>` equals the expected text (both trimmed).
 //!
+//! `--no-eval` skips the accuracy part and replaces only the speed figures of an existing
+//! `--out` (which must have been measured on the same files).
+//!
+//! With `--grammar`, each request carries the lazy tool-call grammar the gateway applies by
+//! default when a chat request offers tools (`mesh_tiers::grammar::tool_call_grammar` over the
+//! prompt's `<tools>` block, switched on by `<tool_call>`); without it the model decodes freely.
+//!
 //! Per tier and per (split, kind), and per hard sub-kind, it reports exact match, the share
 //! of emitted calls that parse as JSON, tool-name accuracy (first call's name, over turns
 //! that expect a call), turns that call at all, mean generated tokens (the end token
 //! included), mean thinking tokens (the text between `<think>` and `</think>`
-//! re-tokenized) and turns cut off by the token budget. Then single-stream decode speed:
+//! re-tokenized) and turns cut off by the token budget. Once every tier is evaluated, it
+//! times single-stream decode speed per tier:
 //! `--max-tokens` tokens with end-of-generation banned on one prompt, median of
 //! `--speed-runs`; before each run it waits (up to `--wait-idle-s`) until other processes use
 //! less than `--max-busy` of the CPUs, and records what it saw.
@@ -29,6 +37,8 @@ use std::collections::BTreeMap;
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
+use mesh_tiers::chat::ToolSpec;
+use mesh_tiers::grammar::tool_call_grammar;
 use mesh_tiers::{Engine, EngineConfig, FinishReason, GenerateRequest, TokenEvent};
 use serde_json::{json, Value};
 use tokio::sync::mpsc::UnboundedReceiver;
@@ -52,6 +62,8 @@ struct Args {
     max_busy: f64,
     wait_idle_s: u64,
     outputs: Option<PathBuf>,
+    grammar: bool,
+    no_eval: bool,
 }
 
 fn usage() -> ! {
@@ -59,7 +71,7 @@ fn usage() -> ! {
         "usage: model_card [--tiers t1,t2,t3] [--eval models/fixtures/eval-heldout.jsonl] \
          [--out models/card.json] [--models models] [--threads 2] [--parallel 8] \
          [--max-tokens 128] [--speed-runs 3] [--max-busy 0.25] [--wait-idle-s 600] \
-         [--outputs FILE.jsonl]"
+         [--outputs FILE.jsonl] [--grammar] [--no-eval]"
     );
     std::process::exit(2)
 }
@@ -77,6 +89,8 @@ fn parse_args() -> Args {
         max_busy: 0.25,
         wait_idle_s: 600,
         outputs: None,
+        grammar: false,
+        no_eval: false,
     };
     let mut it = std::env::args().skip(1);
     while let Some(flag) = it.next() {
@@ -94,6 +108,8 @@ fn parse_args() -> Args {
             "--max-busy" => a.max_busy = num(val()),
             "--wait-idle-s" => a.wait_idle_s = num(val()) as u64,
             "--outputs" => a.outputs = Some(val().into()),
+            "--grammar" => a.grammar = true,
+            "--no-eval" => a.no_eval = true,
             _ => usage(),
         }
     }
@@ -327,6 +343,14 @@ fn cpu_jiffies() -> Option<(u64, u64)> {
     Some((total - idle, total))
 }
 
+/// CPU jiffies (user + system) this process used so far.
+fn own_jiffies() -> Option<u64> {
+    let stat = std::fs::read_to_string("/proc/self/stat").ok()?;
+    let rest = &stat[stat.rfind(')')? + 2..];
+    let f: Vec<&str> = rest.split_whitespace().collect();
+    Some(f.get(11)?.parse::<u64>().ok()? + f.get(12)?.parse::<u64>().ok()?)
+}
+
 /// Share of all CPUs busy over `window` (while this process is idle: other processes' load).
 fn cpu_busy(window: Duration) -> Option<f64> {
     let (b0, t0) = cpu_jiffies()?;
@@ -411,7 +435,18 @@ async fn main() {
         )
     });
 
-    let mut tiers_json = serde_json::Map::new();
+    // With --no-eval only the speed figures of an existing card are replaced.
+    let previous: Value = if a.no_eval {
+        std::fs::read(&a.out)
+            .ok()
+            .and_then(|b| serde_json::from_slice(&b).ok())
+            .unwrap_or(Value::Null)
+    } else {
+        Value::Null
+    };
+
+    // Phase 1: accuracy of every tier. Engines stay loaded for phase 2.
+    let mut loaded: Vec<(String, PathBuf, Engine, Value)> = Vec::new();
     for tier in &a.tiers {
         let path = a.models.join(format!("{tier}-q8_0.gguf"));
         let engine = Engine::start(EngineConfig {
@@ -426,156 +461,71 @@ async fn main() {
             ..EngineConfig::default()
         })
         .unwrap_or_else(|e| panic!("{tier}: {e}"));
-        let bos = engine.tokenize("");
         let info = engine.info().clone();
         eprintln!(
-            "{tier}: {} params, {} bytes; evaluating",
-            info.n_params, info.size_bytes
+            "{tier}: {} params, {} bytes{}",
+            info.n_params,
+            info.size_bytes,
+            if a.no_eval { "" } else { "; evaluating" }
         );
-
-        // Greedy decoding of every task, `parallel` requests in flight.
-        let started = Instant::now();
-        let mut results: Vec<Option<Outcome>> = (0..tasks.len()).map(|_| None).collect();
-        let mut prompt_tokens = 0usize;
-        let mut inflight = JoinSet::new();
-        let mut next = 0;
-        while next < tasks.len() || !inflight.is_empty() {
-            while next < tasks.len() && inflight.len() < a.parallel as usize {
-                let prompt = engine.tokenize(&tasks[next].prompt);
-                prompt_tokens += prompt.len();
-                let rx = engine
-                    .submit(GenerateRequest {
-                        prompt,
-                        max_tokens: a.max_tokens,
-                        request_id: format!("{tier}-{next}"),
-                        ..Default::default()
-                    })
-                    .unwrap_or_else(|e| panic!("{tier} task {next}: {e}"));
-                let i = next;
-                inflight.spawn(async move { (i, collect(rx).await) });
-                next += 1;
+        let sha = sha256(&path);
+        if a.no_eval {
+            let mut kept = previous["tiers"][tier.as_str()].clone();
+            if kept.is_object() {
+                assert_eq!(
+                    kept["sha256"].as_str(),
+                    sha.as_deref(),
+                    "{}: not the file {} was measured on",
+                    path.display(),
+                    a.out.display()
+                );
+                kept.as_object_mut().expect("object").remove("speed");
+            } else {
+                kept = json!({"sha256": sha});
             }
-            if let Some(r) = inflight.join_next().await {
-                let (i, o) = r.expect("collector task");
-                results[i] = Some(o.unwrap_or_else(|e| panic!("{tier} task {i}: {e}")));
-            }
+            loaded.push((tier.clone(), path, engine, kept));
+            continue;
         }
-        let eval_s = started.elapsed().as_secs_f64();
-
-        let mut groups: BTreeMap<String, Agg> = BTreeMap::new();
-        let mut total_generated = 0usize;
-        for (i, (t, o)) in tasks.iter().zip(&results).enumerate() {
-            let o = o.as_ref().expect("every task ran");
-            let think = reasoning(&o.text).map_or(0, |r| count_tokens(&engine, &bos, r));
-            let s = score(
-                t,
-                &o.text,
-                o.tokens,
-                o.finish == Some(FinishReason::Length),
-                think,
-            );
-            total_generated += o.tokens;
-            let mut keys = vec![group_key(t), t.split.clone(), "all".to_owned()];
-            if t.kind == "hard" {
-                keys.push(format!("{}/hard/{}", t.split, t.sub));
-                keys.push(format!("all/hard/{}", t.sub));
-            }
-            keys.push(format!("all/{}", t.kind));
-            for k in keys {
-                groups.entry(k).or_default().add(&s);
-            }
-            if let Some(w) = outputs.as_mut() {
-                use std::io::Write;
-                let line = json!({"tier": tier, "i": i, "split": t.split, "kind": t.kind, "sub": t.sub,
-                                  "exact": s.exact, "output": o.text, "expected": t.completion});
-                writeln!(w, "{line}").expect("write outputs");
-            }
-        }
-        eprintln!(
-            "{tier}: {} tasks in {eval_s:.1} s ({:.1} generated tok/s with {} in flight)",
-            tasks.len(),
-            total_generated as f64 / eval_s,
-            a.parallel
+        let mut eval = evaluate(&engine, tier, &tasks, &a, outputs.as_mut()).await;
+        assert_eq!(
+            sha,
+            sha256(&path),
+            "{}: file changed during the evaluation",
+            path.display()
         );
-
-        // Single-stream decode speed.
-        let speed_prompt = engine.tokenize(&tasks[0].prompt);
-        let mut runs = Vec::new();
-        for run in 0..a.speed_runs {
-            let (busy, waited) = wait_for_idle(a.max_busy, Duration::from_secs(a.wait_idle_s));
-            let t0 = Instant::now();
-            let rx = engine
-                .submit(GenerateRequest {
-                    prompt: speed_prompt.clone(),
-                    max_tokens: a.max_tokens,
-                    ignore_eos: true,
-                    request_id: format!("{tier}-speed-{run}"),
-                    ..Default::default()
-                })
-                .expect("speed request");
-            let o = collect(rx).await.expect("speed run");
-            let total_s = t0.elapsed().as_secs_f64();
-            assert_eq!(o.tokens, a.max_tokens, "ignore_eos run stopped early");
-            let (first, last) = (
-                o.first_token.expect("tokens"),
-                o.last_token.expect("tokens"),
-            );
-            let decode_s = (last - first).as_secs_f64();
-            let decode_tps = (o.tokens - 1) as f64 / decode_s;
-            let ttft_ms = (first - t0).as_secs_f64() * 1e3;
-            eprintln!(
-                "  speed run {run}: {decode_tps:.1} tok/s decode, first token {ttft_ms:.0} ms (others busy {:.0}%)",
-                busy.unwrap_or(f64::NAN) * 100.0
-            );
-            runs.push(json!({
-                "tokens": o.tokens,
-                "decode_tok_s": decode_tps,
-                "end_to_end_tok_s": o.tokens as f64 / total_s,
-                "first_token_ms": ttft_ms,
-                "prompt_tokens": speed_prompt.len(),
-                "cpu_busy_before": busy,
-                "waited_s": waited,
-            }));
+        eval["sha256"] = json!(sha);
+        if let Some(w) = outputs.as_mut() {
+            use std::io::Write;
+            w.flush().expect("flush outputs");
         }
-        let decode: Vec<f64> = runs
+        loaded.push((tier.clone(), path, engine, eval));
+    }
+    // Accuracy is saved before the (possibly long) wait for a quiet machine.
+    if !a.no_eval {
+        let partial: serde_json::Map<String, Value> = loaded
             .iter()
-            .filter_map(|r| r["decode_tok_s"].as_f64())
+            .map(|(t, _, _, e)| (t.clone(), e.clone()))
             .collect();
-        let e2e: Vec<f64> = runs
-            .iter()
-            .filter_map(|r| r["end_to_end_tok_s"].as_f64())
-            .collect();
-        let ttft: Vec<f64> = runs
-            .iter()
-            .filter_map(|r| r["first_token_ms"].as_f64())
-            .collect();
+        write_card(&a, &card_json(&a, tasks.len(), partial));
+    }
 
-        let groups_json: serde_json::Map<String, Value> = groups
-            .iter()
-            .map(|(k, g)| (k.clone(), g.to_json()))
-            .collect();
-        tiers_json.insert(
-            tier.clone(),
-            json!({
-                "model": path.display().to_string(),
-                "file_bytes": info.size_bytes,
-                "n_params": info.n_params,
-                "n_ctx_train": info.n_ctx_train,
-                "eval": {
-                    "seconds": eval_s,
-                    "prompt_tokens": prompt_tokens,
-                    "generated_tokens": total_generated,
-                    "generated_tok_s": total_generated as f64 / eval_s,
-                },
-                "groups": groups_json,
-                "speed": {
-                    "single_stream_decode_tok_s": if decode.is_empty() { Value::Null } else { json!(median(decode)) },
-                    "single_stream_end_to_end_tok_s": if e2e.is_empty() { Value::Null } else { json!(median(e2e)) },
-                    "first_token_ms": if ttft.is_empty() { Value::Null } else { json!(median(ttft)) },
-                    "runs": runs,
-                },
-            }),
-        );
+    // Phase 2: single-stream decode speed, on an otherwise quiet machine where possible.
+    let mut tiers_json = serde_json::Map::new();
+    for (tier, path, engine, eval) in loaded {
+        eprintln!("{tier}: single-stream decode speed");
+        let speed = decode_speed(&engine, &tier, &tasks[0].prompt, &a).await;
+        let info = engine.info().clone();
+        let mut v = json!({
+            "model": path.display().to_string(),
+            "file_bytes": info.size_bytes,
+            "n_params": info.n_params,
+            "n_ctx_train": info.n_ctx_train,
+            "speed": speed,
+        });
+        for (k, x) in eval.as_object().expect("eval object") {
+            v[k] = x.clone();
+        }
+        tiers_json.insert(tier, v);
         drop(engine);
     }
     if let Some(mut w) = outputs {
@@ -583,24 +533,243 @@ async fn main() {
         w.flush().expect("flush outputs");
     }
 
-    let card = json!({
+    let card = if a.no_eval && previous.is_object() {
+        let mut card = previous;
+        for (t, v) in tiers_json {
+            card["tiers"][t] = v;
+        }
+        card["machine"] = machine_info();
+        card
+    } else {
+        card_json(&a, tasks.len(), tiers_json)
+    };
+    write_card(&a, &card);
+    print!("{}", markdown(&card, &a.tiers));
+}
+
+/// SHA-256 of a file via `sha256sum` (None where that tool is missing).
+fn sha256(path: &std::path::Path) -> Option<String> {
+    let out = std::process::Command::new("sha256sum")
+        .arg(path)
+        .output()
+        .ok()?;
+    let text = String::from_utf8(out.stdout).ok()?;
+    text.split_whitespace().next().map(str::to_owned)
+}
+
+fn card_json(a: &Args, n_tasks: usize, tiers: serde_json::Map<String, Value>) -> Value {
+    json!({
         "eval_set": a.eval.display().to_string(),
-        "n_tasks": tasks.len(),
+        "n_tasks": n_tasks,
         "decoding": {"sampling": "greedy", "max_tokens": a.max_tokens, "in_flight": a.parallel,
+                     "tool_call_grammar": a.grammar,
                      "threads": a.threads, "engine": "mesh-tiers Engine (llama.cpp via llama-cpp-2)"},
         "machine": machine_info(),
-        "tiers": tiers_json,
-    });
+        "tiers": tiers,
+    })
+}
+
+fn write_card(a: &Args, card: &Value) {
     if let Some(dir) = a.out.parent().filter(|d| !d.as_os_str().is_empty()) {
         std::fs::create_dir_all(dir).expect("output folder");
     }
     std::fs::write(
         &a.out,
-        serde_json::to_string_pretty(&card).expect("json") + "\n",
+        serde_json::to_string_pretty(card).expect("json") + "\n",
     )
     .unwrap_or_else(|e| panic!("{}: {e}", a.out.display()));
     eprintln!("wrote {}", a.out.display());
-    print!("{}", markdown(&card, &a.tiers));
+}
+
+/// The tools a prompt offers (its `<tools>` block, one JSON schema per line).
+fn offered_tools(prompt: &str) -> Vec<ToolSpec> {
+    let block = prompt
+        .split_once("<tools>\n")
+        .and_then(|(_, rest)| rest.split_once("\n</tools>"))
+        .map_or("", |(b, _)| b);
+    block
+        .lines()
+        .map(|l| serde_json::from_str(l).expect("tool schema line is JSON"))
+        .collect()
+}
+
+/// Greedy decoding of every task with `parallel` requests in flight, scored per group.
+async fn evaluate(
+    engine: &Engine,
+    tier: &str,
+    tasks: &[Task],
+    a: &Args,
+    mut outputs: Option<&mut std::io::BufWriter<std::fs::File>>,
+) -> Value {
+    let bos = engine.tokenize("");
+    let started = Instant::now();
+    let mut results: Vec<Option<Outcome>> = (0..tasks.len()).map(|_| None).collect();
+    let mut prompt_tokens = 0usize;
+    let mut inflight = JoinSet::new();
+    let mut next = 0;
+    while next < tasks.len() || !inflight.is_empty() {
+        while next < tasks.len() && inflight.len() < a.parallel as usize {
+            let prompt = engine.tokenize(&tasks[next].prompt);
+            prompt_tokens += prompt.len();
+            let (grammar, grammar_trigger) = if a.grammar {
+                let tools = offered_tools(&tasks[next].prompt);
+                let g = tool_call_grammar(&tools).unwrap_or_else(|e| panic!("task {next}: {e}"));
+                (Some(g), Some(CALL.to_owned()))
+            } else {
+                (None, None)
+            };
+            let rx = engine
+                .submit(GenerateRequest {
+                    prompt,
+                    max_tokens: a.max_tokens,
+                    grammar,
+                    grammar_trigger,
+                    request_id: format!("{tier}-{next}"),
+                    ..Default::default()
+                })
+                .unwrap_or_else(|e| panic!("{tier} task {next}: {e}"));
+            let i = next;
+            inflight.spawn(async move { (i, collect(rx).await) });
+            next += 1;
+        }
+        if let Some(r) = inflight.join_next().await {
+            let (i, o) = r.expect("collector task");
+            results[i] = Some(o.unwrap_or_else(|e| panic!("{tier} task {i}: {e}")));
+        }
+    }
+    let eval_s = started.elapsed().as_secs_f64();
+
+    let mut groups: BTreeMap<String, Agg> = BTreeMap::new();
+    let mut total_generated = 0usize;
+    for (i, (t, o)) in tasks.iter().zip(&results).enumerate() {
+        let o = o.as_ref().expect("every task ran");
+        let think = reasoning(&o.text).map_or(0, |r| count_tokens(engine, &bos, r));
+        let s = score(
+            t,
+            &o.text,
+            o.tokens,
+            o.finish == Some(FinishReason::Length),
+            think,
+        );
+        total_generated += o.tokens;
+        let mut keys = vec![group_key(t), t.split.clone(), "all".to_owned()];
+        if t.kind == "hard" {
+            keys.push(format!("{}/hard/{}", t.split, t.sub));
+            keys.push(format!("all/hard/{}", t.sub));
+        }
+        keys.push(format!("all/{}", t.kind));
+        for k in keys {
+            groups.entry(k).or_default().add(&s);
+        }
+        if let Some(w) = outputs.as_mut() {
+            use std::io::Write;
+            let line = json!({"tier": tier, "i": i, "split": t.split, "kind": t.kind, "sub": t.sub,
+                              "exact": s.exact, "output": o.text, "expected": t.completion});
+            writeln!(w, "{line}").expect("write outputs");
+        }
+    }
+    eprintln!(
+        "{tier}: {} tasks in {eval_s:.1} s ({:.1} generated tok/s with {} in flight)",
+        tasks.len(),
+        total_generated as f64 / eval_s,
+        a.parallel
+    );
+    let groups_json: serde_json::Map<String, Value> = groups
+        .iter()
+        .map(|(k, g)| (k.clone(), g.to_json()))
+        .collect();
+    json!({
+        "eval": {
+            "seconds": eval_s,
+            "prompt_tokens": prompt_tokens,
+            "generated_tokens": total_generated,
+            "generated_tok_s": total_generated as f64 / eval_s,
+        },
+        "groups": groups_json,
+    })
+}
+
+/// `max_tokens` tokens with end-of-generation banned on one prompt, until `speed_runs` runs
+/// were clean (other processes used at most `max_busy` of the CPUs during the run) or
+/// `3 * speed_runs` attempts were made. The medians are over the clean runs (over all runs,
+/// flagged, when too few were clean).
+async fn decode_speed(engine: &Engine, tier: &str, prompt: &str, a: &Args) -> Value {
+    let speed_prompt = engine.tokenize(prompt);
+    let mut runs = Vec::new();
+    let mut clean = 0;
+    for attempt in 0..3 * a.speed_runs {
+        if clean == a.speed_runs {
+            break;
+        }
+        let (busy, waited) = wait_for_idle(a.max_busy, Duration::from_secs(a.wait_idle_s));
+        let cpu0 = (cpu_jiffies(), own_jiffies());
+        let t0 = Instant::now();
+        let rx = engine
+            .submit(GenerateRequest {
+                prompt: speed_prompt.clone(),
+                max_tokens: a.max_tokens,
+                ignore_eos: true,
+                request_id: format!("{tier}-speed-{attempt}"),
+                ..Default::default()
+            })
+            .expect("speed request");
+        let o = collect(rx).await.expect("speed run");
+        let total_s = t0.elapsed().as_secs_f64();
+        let cpu1 = (cpu_jiffies(), own_jiffies());
+        let others = match (cpu0, cpu1) {
+            ((Some((b0, t0)), Some(o0)), (Some((b1, t1)), Some(o1))) if t1 > t0 => {
+                Some(((b1 - b0) as f64 - (o1 - o0) as f64).max(0.0) / (t1 - t0) as f64)
+            }
+            _ => None,
+        };
+        let is_clean = others.is_none_or(|x| x <= a.max_busy);
+        clean += usize::from(is_clean);
+        assert_eq!(o.tokens, a.max_tokens, "ignore_eos run stopped early");
+        let (first, last) = (
+            o.first_token.expect("tokens"),
+            o.last_token.expect("tokens"),
+        );
+        let decode_tps = (o.tokens - 1) as f64 / (last - first).as_secs_f64();
+        let ttft_ms = (first - t0).as_secs_f64() * 1e3;
+        eprintln!(
+            "  speed attempt {attempt}: {decode_tps:.1} tok/s decode, first token {ttft_ms:.0} ms; \
+             other processes {:.0}% of CPUs before, {:.0}% during{}",
+            busy.unwrap_or(f64::NAN) * 100.0,
+            others.unwrap_or(f64::NAN) * 100.0,
+            if is_clean { "" } else { " (discarded)" }
+        );
+        runs.push(json!({
+            "tokens": o.tokens,
+            "decode_tok_s": decode_tps,
+            "end_to_end_tok_s": o.tokens as f64 / total_s,
+            "first_token_ms": ttft_ms,
+            "prompt_tokens": speed_prompt.len(),
+            "others_cpu_before": busy,
+            "others_cpu_during": others,
+            "waited_s": waited,
+            "clean": is_clean,
+        }));
+    }
+    let enough = clean > 0;
+    let med = |k: &str| -> Value {
+        let v: Vec<f64> = runs
+            .iter()
+            .filter(|r| !enough || r["clean"] == json!(true))
+            .filter_map(|r| r[k].as_f64())
+            .collect();
+        if v.is_empty() {
+            Value::Null
+        } else {
+            json!(median(v))
+        }
+    };
+    json!({
+        "single_stream_decode_tok_s": med("decode_tok_s"),
+        "single_stream_end_to_end_tok_s": med("end_to_end_tok_s"),
+        "first_token_ms": med("first_token_ms"),
+        "clean_runs": clean,
+        "runs": runs,
+    })
 }
 
 fn markdown(card: &Value, tiers: &[String]) -> String {

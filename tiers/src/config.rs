@@ -25,7 +25,8 @@ pub struct EngineConfig {
     pub name: String,
     /// GGUF file.
     pub model: PathBuf,
-    /// Total KV cells shared by all sequences (unified cache). Memory: cells x bytes per token
+    /// Total KV cells. Without `kv_unified` each sequence gets `n_ctx / n_seq_max` of them.
+    /// Memory: cells x bytes per token
     /// (at f16: 1.5 KiB per token for the bundled t1, 3.5 KiB for t2, 4.5 KiB for t3).
     pub n_ctx: u32,
     /// Longest sequence (prompt + completion); 0 = the model's training context, capped by `n_ctx`.
@@ -43,6 +44,10 @@ pub struct EngineConfig {
     pub max_queue: usize,
     /// KV cache data type.
     pub kv_type: KvType,
+    /// One KV pool shared by all sequences instead of one stream per sequence. Shared cells
+    /// allow long and short sequences to mix, but every decode then attends over the cells of
+    /// all sequences, which costs several times more at high concurrency.
+    pub kv_unified: bool,
 }
 
 impl Default for EngineConfig {
@@ -50,14 +55,15 @@ impl Default for EngineConfig {
         Self {
             name: "t1".into(),
             model: PathBuf::from("models/t1-q8_0.gguf"),
-            n_ctx: 8192,
+            n_ctx: 16384,
             max_seq_len: 0,
             n_seq_max: 8,
-            n_batch: 512,
-            prefill_chunk: 256,
+            n_batch: 1024,
+            prefill_chunk: 512,
             threads: 1,
             max_queue: 64,
             kv_type: KvType::F16,
+            kv_unified: false,
         }
     }
 }

@@ -116,9 +116,14 @@ impl Engine {
             })?;
         let model = Arc::new(model);
         let n_ctx_train = model.n_ctx_train();
+        let per_seq = if cfg.kv_unified {
+            cfg.n_ctx
+        } else {
+            cfg.n_ctx / cfg.n_seq_max
+        };
         let max_seq_len = match cfg.max_seq_len {
-            0 => n_ctx_train.min(cfg.n_ctx),
-            n => n.min(cfg.n_ctx),
+            0 => n_ctx_train.min(per_seq),
+            n => n.min(per_seq),
         } as usize;
         let info = ModelInfo {
             name: cfg.name.clone(),
@@ -279,7 +284,7 @@ fn new_context<'m>(
         .with_n_batch(cfg.n_batch)
         .with_n_ubatch(cfg.n_batch)
         .with_n_seq_max(cfg.n_seq_max)
-        .with_kv_unified(true)
+        .with_kv_unified(cfg.kv_unified)
         .with_n_threads(cfg.threads)
         .with_n_threads_batch(cfg.threads)
         .with_type_k(kv)
