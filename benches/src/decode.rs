@@ -313,6 +313,9 @@ async fn bench(
     };
     let mut runs = Vec::new();
     let mut next_prompt = 0;
+    let ticks = machine::clock_ticks();
+    let mut pids = vec![std::process::id()];
+    pids.extend(servers.iter().map(Server::pid));
     for &streams in &args.streams {
         let mut w = WorkloadRuns {
             streams,
@@ -329,7 +332,8 @@ async fn bench(
                 };
                 progress.set_message(format!("{streams} stream(s), {}, {what}", server.name));
                 server.ensure_running()?;
-                let b = workload::run_batch(
+                let before = machine::cpu_snapshot(&pids);
+                let mut b = workload::run_batch(
                     &client,
                     &server.base_url,
                     &spec,
@@ -340,6 +344,9 @@ async fn bench(
                     progress,
                 )
                 .await?;
+                if let (Some(a), Some(z)) = (before, machine::cpu_snapshot(&pids)) {
+                    b.foreign = Some(a.foreign_until(&z, ticks));
+                }
                 if phase == 0 {
                     w.warmup[t] = Some(b);
                 } else {
@@ -370,7 +377,8 @@ async fn bench(
             format!("{} streams", w.streams)
         };
         let (hm, hl) = (report::headline(&w.reps[0]), report::headline(&w.reps[1]));
-        rows.extend(report::rows(&name, &hm, &hl));
+        let pairs = report::pair_ratios(&w.reps[0], &w.reps[1]);
+        rows.extend(report::rows(&name, &hm, &hl, &pairs));
         workloads_json.push(json!({
             "name": name,
             "streams": w.streams,
@@ -381,6 +389,7 @@ async fn bench(
                 TARGETS[1]: report::target_json(w.warmup[1].as_ref(), &w.reps[1]),
             },
             "ratio_mesh_over_llama_server": report::ratios(&hm, &hl),
+            "pair_ratios_mesh_over_llama_server": pairs,
         }));
     }
     let mib = |k: Option<u64>| k.map(|k| k as f64 / 1024.0);
@@ -391,6 +400,7 @@ async fn bench(
         llama: mib(peak_rss_kib[1]),
         decimals: 1,
         better: report::Better::Lower,
+        pair_ratios: Vec::new(),
     });
     let all = |t: usize| -> Vec<&Batch> {
         runs.iter()
@@ -398,6 +408,24 @@ async fn bench(
             .collect()
     };
     let checks = report::checks(&all(0), &all(1), args.max_tokens);
+    let measured: Vec<&Batch> = runs.iter().flat_map(|w| w.reps.iter().flatten()).collect();
+    let wall: f64 = measured.iter().map(|b| b.wall_s).sum();
+    let others: f64 = measured
+        .iter()
+        .filter_map(|b| b.foreign)
+        .map(|f| f.others_cpu_s)
+        .sum();
+    let steal: f64 = measured
+        .iter()
+        .filter_map(|b| b.foreign)
+        .map(|f| f.steal_s)
+        .sum();
+    let noise = json!({
+        "measured_wall_s": wall,
+        "others_cpu_s": others,
+        "others_cores": if wall > 0.0 { others / wall } else { 0.0 },
+        "steal_s": steal,
+    });
 
     let repo = Path::new(".");
     let lock_versions = machine::cargo_lock_versions(
@@ -491,6 +519,7 @@ async fn bench(
             },
         },
         "checks": checks,
+        "other_processes_during_measured_batches": noise,
         "workloads": workloads_json,
         "peak_rss": {
             "mesh_kib": peak_rss_kib[0],
@@ -553,7 +582,8 @@ fn markdown(
     out.push_str("# decode: mesh vs llama-server\n\n");
     out.push_str(&report::table(rows));
     out.push_str("\nRatio = mesh / llama-server: for tok/s above 1 means mesh is faster; for latencies and RSS below 1 means mesh is better. ");
-    out.push_str("Throughput and p50 latencies: median over repetitions; p95/p99: pooled over all measured requests of the workload.\n\n");
+    out.push_str("Throughput and p50 latencies: median over repetitions; p95/p99: pooled over all measured requests of the workload. ");
+    out.push_str("Per-pair ratios: repetition i of mesh against repetition i of llama-server, run back to back (– where the value is pooled or taken once).\n\n");
     out.push_str(&format!(
         "- model: `{}` ({}, {:.2} MiB), tier `{}`; threads {}, ctx {} per sequence ({} total, {} slots), batch/ubatch {}, max_tokens {} (ignore_eos, temperature 0, streaming)\n",
         args.model.display(),
@@ -595,6 +625,14 @@ fn markdown(
             .next()
             .unwrap_or("?"),
         flags(llama_flags),
+    ));
+    let n = &j["other_processes_during_measured_batches"];
+    out.push_str(&format!(
+        "- other processes during the measured batches: {:.1} CPU-s over {:.1} s ({:.2} cores on average), hypervisor steal {:.1} s\n",
+        n["others_cpu_s"].as_f64().unwrap_or(0.0),
+        n["measured_wall_s"].as_f64().unwrap_or(0.0),
+        n["others_cores"].as_f64().unwrap_or(0.0),
+        n["steal_s"].as_f64().unwrap_or(0.0),
     ));
     let lm = &j["targets"]["llama-server"]["metrics_at_end"];
     let num = |k: &str| lm[k].as_f64();

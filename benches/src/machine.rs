@@ -154,6 +154,81 @@ pub(crate) fn git_state() -> Value {
     json!({"commit": commit, "dirty": dirty})
 }
 
+/// CPU time of the whole machine and of the processes under test at one instant, in clock
+/// ticks, to tell afterwards how much of a measurement window other processes took.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct CpuSnapshot {
+    machine_busy: u64,
+    steal: u64,
+    own: u64,
+}
+
+/// Other processes' CPU use and hypervisor steal between two snapshots, in seconds.
+#[derive(Debug, Clone, Copy, PartialEq, serde::Serialize)]
+pub(crate) struct ForeignCpu {
+    pub(crate) others_cpu_s: f64,
+    pub(crate) steal_s: f64,
+}
+
+/// Clock ticks per second of `/proc` times (`getconf CLK_TCK`, 100 when unknown).
+pub(crate) fn clock_ticks() -> u64 {
+    run_text("getconf", &["CLK_TCK"])
+        .and_then(|s| s.parse().ok())
+        .filter(|&t| t > 0)
+        .unwrap_or(100)
+}
+
+/// Snapshot of the machine's busy time and of `pids`' own CPU time (all their threads).
+pub(crate) fn cpu_snapshot(pids: &[u32]) -> Option<CpuSnapshot> {
+    let stat = std::fs::read_to_string("/proc/stat").ok()?;
+    let (machine_busy, steal) = machine_busy_ticks(stat.lines().next()?)?;
+    let mut own = 0;
+    for pid in pids {
+        let text = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+        own += process_ticks(&text)?;
+    }
+    Some(CpuSnapshot {
+        machine_busy,
+        steal,
+        own,
+    })
+}
+
+impl CpuSnapshot {
+    /// What others used between `self` and `later`.
+    pub(crate) fn foreign_until(&self, later: &CpuSnapshot, ticks_per_s: u64) -> ForeignCpu {
+        let t = ticks_per_s.max(1) as f64;
+        let busy = later.machine_busy.saturating_sub(self.machine_busy);
+        let own = later.own.saturating_sub(self.own);
+        ForeignCpu {
+            others_cpu_s: busy.saturating_sub(own) as f64 / t,
+            steal_s: later.steal.saturating_sub(self.steal) as f64 / t,
+        }
+    }
+}
+
+/// Busy (user, nice, system, irq, softirq, steal) and steal ticks from the `cpu` line of
+/// `/proc/stat`.
+fn machine_busy_ticks(cpu_line: &str) -> Option<(u64, u64)> {
+    let f: Vec<u64> = cpu_line
+        .strip_prefix("cpu ")?
+        .split_whitespace()
+        .map(|v| v.parse().ok())
+        .collect::<Option<_>>()?;
+    let get = |i: usize| f.get(i).copied().unwrap_or(0);
+    let (user, nice, system, irq, softirq, steal) =
+        (get(0), get(1), get(2), get(5), get(6), get(7));
+    Some((user + nice + system + irq + softirq + steal, steal))
+}
+
+/// utime + stime of a `/proc/PID/stat` line (fields 14 and 15; the command name may hold
+/// spaces, so fields are counted after its closing parenthesis).
+fn process_ticks(stat: &str) -> Option<u64> {
+    let rest = &stat[stat.rfind(')')? + 1..];
+    let f: Vec<&str> = rest.split_whitespace().collect();
+    Some(f.get(11)?.parse::<u64>().ok()? + f.get(12)?.parse::<u64>().ok()?)
+}
+
 /// Modification time of a file, seconds since the Unix epoch.
 pub(crate) fn modified_unix_s(path: &Path) -> Option<u64> {
     let t = std::fs::metadata(path).ok()?.modified().ok()?;
@@ -179,6 +254,27 @@ mod tests {
         std::fs::remove_file(&path).unwrap();
         assert_eq!(v.len(), 1);
         assert_eq!(v["llama-cpp-sys-2"], "0.1.161");
+    }
+
+    #[test]
+    fn parses_proc_cpu_times() {
+        let cpu = "cpu  100 5 50 1000 20 3 2 7 0 0";
+        assert_eq!(machine_busy_ticks(cpu), Some((167, 7)));
+        let stat = "42 (tokio rt (x)) S 1 42 42 0 -1 4194560 100 0 0 0 30 12 0 0 20 0 4 0";
+        assert_eq!(process_ticks(stat), Some(42));
+        let a = CpuSnapshot {
+            machine_busy: 100,
+            steal: 1,
+            own: 40,
+        };
+        let b = CpuSnapshot {
+            machine_busy: 300,
+            steal: 11,
+            own: 190,
+        };
+        let f = a.foreign_until(&b, 100);
+        assert!((f.others_cpu_s - 0.5).abs() < 1e-9);
+        assert!((f.steal_s - 0.1).abs() < 1e-9);
     }
 
     #[test]

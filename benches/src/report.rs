@@ -119,28 +119,66 @@ fn samples(b: &Batch) -> Vec<&Sample> {
     b.samples.iter().collect()
 }
 
+/// A metric computed from one repetition alone, or `None` for metrics pooled over all.
+fn rep_value(key: &str, b: &Batch) -> Option<f64> {
+    match key {
+        "total_tok_s" => total_tok_s(b),
+        "decode_tok_s_p50" => median(&decode_rates(&samples(b))),
+        "ttft_p50_ms" => median(&ttfts(&samples(b))),
+        "itl_p50_ms" => median(&itls(&samples(b))),
+        _ => None,
+    }
+}
+
+fn is_per_rep(key: &str) -> bool {
+    matches!(
+        key,
+        "total_tok_s" | "decode_tok_s_p50" | "ttft_p50_ms" | "itl_p50_ms"
+    )
+}
+
 /// Headline values from the measured repetitions.
 pub(crate) fn headline(reps: &[Batch]) -> Headline {
-    let per_rep = |f: &dyn Fn(&Batch) -> Option<f64>| -> Option<f64> {
-        median(&reps.iter().filter_map(f).collect::<Vec<_>>())
-    };
     let pooled: Vec<&Sample> = reps.iter().flat_map(|b| b.samples.iter()).collect();
     let (ttft, itl) = (
         Percentiles::of(&ttfts(&pooled)),
         Percentiles::of(&itls(&pooled)),
     );
-    BTreeMap::from([
-        ("total_tok_s", per_rep(&total_tok_s)),
-        (
-            "decode_tok_s_p50",
-            per_rep(&|b| median(&decode_rates(&samples(b)))),
-        ),
-        ("ttft_p50_ms", per_rep(&|b| median(&ttfts(&samples(b))))),
-        ("ttft_p95_ms", ttft.p95),
-        ("itl_p50_ms", per_rep(&|b| median(&itls(&samples(b))))),
-        ("itl_p95_ms", itl.p95),
-        ("itl_p99_ms", itl.p99),
-    ])
+    METRICS
+        .iter()
+        .map(|m| {
+            let v = match m.key {
+                k if is_per_rep(k) => median(
+                    &reps
+                        .iter()
+                        .filter_map(|b| rep_value(k, b))
+                        .collect::<Vec<_>>(),
+                ),
+                "ttft_p95_ms" => ttft.p95,
+                "itl_p95_ms" => itl.p95,
+                "itl_p99_ms" => itl.p99,
+                _ => None,
+            };
+            (m.key, v)
+        })
+        .collect()
+}
+
+/// mesh / llama-server per repetition pair (repetition i of each, run back to back), for the
+/// metrics a single repetition yields; their spread shows how stable a ratio is.
+pub(crate) fn pair_ratios(mesh: &[Batch], llama: &[Batch]) -> BTreeMap<&'static str, Vec<f64>> {
+    METRICS
+        .iter()
+        .filter(|m| is_per_rep(m.key))
+        .map(|m| {
+            let r = mesh
+                .iter()
+                .zip(llama)
+                .filter_map(|(a, b)| ratio(rep_value(m.key, a), rep_value(m.key, b)))
+                .collect();
+            (m.key, r)
+        })
+        .collect()
 }
 
 fn batch_json(b: &Batch) -> Value {
@@ -153,6 +191,7 @@ fn batch_json(b: &Batch) -> Value {
         "ttft_ms": Percentiles::of(&ttfts(&s)),
         "itl_ms": Percentiles::of(&itls(&s)),
         "decode_tok_s": Percentiles::of(&decode_rates(&s)),
+        "other_processes": b.foreign,
     })
 }
 
@@ -257,10 +296,17 @@ pub(crate) struct Row {
     pub(crate) llama: Option<f64>,
     pub(crate) decimals: usize,
     pub(crate) better: Better,
+    /// Ratios of the repetition pairs (empty for pooled metrics).
+    pub(crate) pair_ratios: Vec<f64>,
 }
 
 /// Rows for one workload's headline metrics.
-pub(crate) fn rows(workload: &str, mesh: &Headline, llama: &Headline) -> Vec<Row> {
+pub(crate) fn rows(
+    workload: &str,
+    mesh: &Headline,
+    llama: &Headline,
+    pairs: &BTreeMap<&'static str, Vec<f64>>,
+) -> Vec<Row> {
     METRICS
         .iter()
         .map(|m| Row {
@@ -270,6 +316,7 @@ pub(crate) fn rows(workload: &str, mesh: &Headline, llama: &Headline) -> Vec<Row
             llama: llama.get(m.key).copied().flatten(),
             decimals: m.decimals,
             better: m.better,
+            pair_ratios: pairs.get(m.key).cloned().unwrap_or_default(),
         })
         .collect()
 }
@@ -278,17 +325,27 @@ pub(crate) fn rows(workload: &str, mesh: &Headline, llama: &Headline) -> Vec<Row
 pub(crate) fn table(rows: &[Row]) -> String {
     let fmt = |v: Option<f64>, d: usize| v.map_or("n/a".to_owned(), |v| format!("{v:.d$}"));
     let mut out = String::from(
-        "| workload | metric | better | mesh | llama-server | mesh / llama-server |\n|---|---|---|---:|---:|---:|\n",
+        "| workload | metric | better | mesh | llama-server | mesh / llama-server | per-pair ratios |\n|---|---|---|---:|---:|---:|---|\n",
     );
     for r in rows {
+        let pairs = if r.pair_ratios.is_empty() {
+            "–".to_owned()
+        } else {
+            r.pair_ratios
+                .iter()
+                .map(|v| format!("{v:.2}"))
+                .collect::<Vec<_>>()
+                .join(" ")
+        };
         out.push_str(&format!(
-            "| {} | {} | {} | {} | {} | {} |\n",
+            "| {} | {} | {} | {} | {} | {} | {} |\n",
             r.workload,
             r.label,
             r.better.word(),
             fmt(r.mesh, r.decimals),
             fmt(r.llama, r.decimals),
             fmt(ratio(r.mesh, r.llama), 3),
+            pairs,
         ));
     }
     out
@@ -320,10 +377,14 @@ mod tests {
             .iter()
             .map(|&wall| Batch {
                 wall_s: wall,
+                foreign: None,
                 samples: vec![sample(0, 0.01, &[0.001, 0.003], 3, "x")],
             })
             .collect();
         let h = headline(&reps);
+        let pairs = pair_ratios(&reps, &reps[1..]);
+        assert_eq!(pairs["total_tok_s"], vec![2.0, 2.0]);
+        assert!(!pairs.contains_key("itl_p99_ms"));
         // 3 tokens over 1, 2 and 4 s: the median is 1.5 tok/s.
         assert_eq!(h["total_tok_s"], Some(1.5));
         assert!((h["ttft_p50_ms"].unwrap() - 10.0).abs() < 1e-9);
@@ -334,6 +395,7 @@ mod tests {
     fn checks_compare_the_same_prompt_across_targets() {
         let a = Batch {
             wall_s: 1.0,
+            foreign: None,
             samples: vec![
                 sample(0, 0.1, &[0.1], 2, "ab"),
                 sample(1, 0.1, &[0.1], 2, "cd"),
@@ -343,6 +405,7 @@ mod tests {
         other.prompt_tokens = Some(99);
         let b = Batch {
             wall_s: 1.0,
+            foreign: None,
             samples: vec![sample(0, 0.1, &[0.1], 2, "ab"), other],
         };
         let c = checks(&[&a], &[&b], 2);
@@ -362,9 +425,10 @@ mod tests {
             llama,
             decimals: 1,
             better: Better::Higher,
+            pair_ratios: vec![0.8, 1.0],
         };
         let t = table(&[row(Some(90.0), Some(100.0))]);
-        assert!(t.contains("| 1 stream | tok/s | higher | 90.0 | 100.0 | 0.900 |"));
+        assert!(t.contains("| 1 stream | tok/s | higher | 90.0 | 100.0 | 0.900 | 0.80 1.00 |"));
         let rows = vec![row(None, Some(1.0))];
         assert!(table(&rows).contains("| n/a | 1.0 | n/a |"));
     }

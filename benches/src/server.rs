@@ -96,6 +96,11 @@ impl Server {
         }
     }
 
+    /// Process id of the child.
+    pub(crate) fn pid(&self) -> u32 {
+        self.pid
+    }
+
     /// Fails with the log tail if the child has exited.
     pub(crate) fn ensure_running(&mut self) -> Result<()> {
         if let Some(status) = self.child.try_wait()? {

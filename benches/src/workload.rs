@@ -14,6 +14,8 @@ use indicatif::ProgressBar;
 use serde::Serialize;
 use serde_json::{json, Value};
 
+use crate::machine::ForeignCpu;
+
 /// The system line the bundled models were trained with.
 const SYSTEM: &str =
     "You are a helpful agent. Call a tool when one fits the request, otherwise answer directly.";
@@ -300,6 +302,8 @@ pub(crate) fn sample_from(prompt: usize, stream: usize, r: Streamed) -> Result<S
 pub(crate) struct Batch {
     pub(crate) wall_s: f64,
     pub(crate) samples: Vec<Sample>,
+    /// CPU other processes took during the batch (filled in by the caller).
+    pub(crate) foreign: Option<ForeignCpu>,
 }
 
 /// Runs one [`Batch`] against `base_url`. Cancel-safe.
@@ -332,6 +336,7 @@ pub(crate) async fn run_batch(
     Ok(Batch {
         wall_s: start.elapsed().as_secs_f64(),
         samples: results.into_iter().flatten().collect(),
+        foreign: None,
     })
 }
 
