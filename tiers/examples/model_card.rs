@@ -24,7 +24,8 @@
 //! prompt's `<tools>` block, switched on by `<tool_call>`); without it the model decodes freely.
 //!
 //! Per tier and per (split, kind), and per hard sub-kind, it reports exact match, the share
-//! of emitted calls that parse as JSON, tool-name accuracy (first call's name, over turns
+//! of emitted calls that parse as JSON, parsed calls naming a tool the prompt does not offer,
+//! tool-name accuracy (first call's name, over turns
 //! that expect a call), turns that call at all, mean generated tokens (the end token
 //! included), mean thinking tokens (the text between `<think>` and `</think>`
 //! re-tokenized) and turns cut off by the token budget. Once every tier is evaluated, it
@@ -185,6 +186,7 @@ struct Scored {
     exact: bool,
     calls_emitted: usize,
     calls_valid: usize,
+    calls_not_offered: usize,
     expects_call: bool,
     name_right: bool,
     called: bool,
@@ -205,10 +207,15 @@ fn score(
     let expected_answer = answer_text(&task.completion).replace(END, "");
     let exact =
         want == got && (!want.is_empty() || answer_text(text).trim() == expected_answer.trim());
+    let offered: Vec<String> = offered_tools(&task.prompt).into_iter().map(|t| t.name).collect();
     Scored {
         exact,
         calls_emitted: got.len(),
         calls_valid: got.iter().filter(|c| c.is_some()).count(),
+        calls_not_offered: got
+            .iter()
+            .filter(|c| c.is_some() && !call_name(c).is_some_and(|n| offered.iter().any(|o| o == n)))
+            .count(),
         expects_call: !want.is_empty(),
         name_right: !want.is_empty()
             && got
@@ -228,6 +235,7 @@ struct Agg {
     exact: usize,
     calls_emitted: usize,
     calls_valid: usize,
+    calls_not_offered: usize,
     expects_call: usize,
     name_right: usize,
     called: usize,
@@ -242,6 +250,7 @@ impl Agg {
         self.exact += usize::from(s.exact);
         self.calls_emitted += s.calls_emitted;
         self.calls_valid += s.calls_valid;
+        self.calls_not_offered += s.calls_not_offered;
         self.expects_call += usize::from(s.expects_call);
         self.name_right += usize::from(s.name_right);
         self.called += usize::from(s.called);
@@ -266,6 +275,8 @@ impl Agg {
             "calls_emitted": self.calls_emitted,
             "calls_valid_json": self.calls_valid,
             "valid_json_rate": Self::ratio(self.calls_valid, self.calls_emitted),
+            "calls_not_offered": self.calls_not_offered,
+            "not_offered_rate": Self::ratio(self.calls_not_offered, self.calls_valid),
             "expects_call": self.expects_call,
             "tool_name_right": self.name_right,
             "tool_name_accuracy": Self::ratio(self.name_right, self.expects_call),
