@@ -207,14 +207,19 @@ fn score(
     let expected_answer = answer_text(&task.completion).replace(END, "");
     let exact =
         want == got && (!want.is_empty() || answer_text(text).trim() == expected_answer.trim());
-    let offered: Vec<String> = offered_tools(&task.prompt).into_iter().map(|t| t.name).collect();
+    let offered: Vec<String> = offered_tools(&task.prompt)
+        .into_iter()
+        .map(|t| t.name)
+        .collect();
     Scored {
         exact,
         calls_emitted: got.len(),
         calls_valid: got.iter().filter(|c| c.is_some()).count(),
         calls_not_offered: got
             .iter()
-            .filter(|c| c.is_some() && !call_name(c).is_some_and(|n| offered.iter().any(|o| o == n)))
+            .filter(|c| {
+                c.is_some() && !call_name(c).is_some_and(|n| offered.iter().any(|o| o == n))
+            })
             .count(),
         expects_call: !want.is_empty(),
         name_right: !want.is_empty()
