@@ -1,4 +1,5 @@
-//! Measures the model card of the bundled tiers on the held-out evaluation set.
+//! Measures the model card of the bundled tiers on the held-out evaluation set
+//! (`models/CARD.md`).
 //!
 //! ```text
 //! python3 models/recipe/evalset.py --n 100 --out models/fixtures/eval-heldout.jsonl
@@ -24,15 +25,17 @@
 //! prompt's `<tools>` block, switched on by `<tool_call>`); without it the model decodes freely.
 //!
 //! Per tier and per (split, kind), and per hard sub-kind, it reports exact match, the share
-//! of emitted calls that parse as JSON, parsed calls naming a tool the prompt does not offer,
-//! tool-name accuracy (first call's name, over turns
-//! that expect a call), turns that call at all, mean generated tokens (the end token
-//! included), mean thinking tokens (the text between `<think>` and `</think>`
-//! re-tokenized) and turns cut off by the token budget. Once every tier is evaluated, it
-//! times single-stream decode speed per tier:
-//! `--max-tokens` tokens with end-of-generation banned on one prompt, median of
-//! `--speed-runs`; before each run it waits (up to `--wait-idle-s`) until other processes use
-//! less than `--max-busy` of the CPUs, and records what it saw.
+//! of emitted calls that parse as JSON, parsed calls naming a tool the prompt does not
+//! offer, tool-name accuracy (first call's name, over turns that expect a call), turns that
+//! call at all, mean generated tokens (the end token included), mean thinking tokens (the
+//! text between `<think>` and `</think>`, re-tokenized) and turns cut off by the token
+//! budget.
+//!
+//! Once every tier is evaluated (and `--out` written), it times single-stream decode speed
+//! per tier: `--max-tokens` tokens with end-of-generation banned on one prompt, median of
+//! `--speed-runs` runs. Before each run it waits (up to `--wait-idle-s`) until other
+//! processes use less than `--max-busy` of the CPUs, and a run during which they used more
+//! is recorded but discarded and repeated.
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;
