@@ -32,8 +32,70 @@ pub struct NodeConfig {
     pub retry_after_s: u64,
     /// Default completion budget when a request sets none.
     pub default_max_tokens: usize,
-    /// Tiers this node hosts.
+    /// Tiers this node hosts (may be empty for a gateway-only cluster node).
     pub tiers: Vec<EngineConfig>,
+    /// Cluster membership; absent for a standalone node (`mesh up`).
+    pub cluster: Option<ClusterSettings>,
+}
+
+/// How this node joins a cluster (`[cluster]` in the TOML file, or `mesh join` flags).
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct ClusterSettings {
+    /// Node name; the certificate `<cert_dir>/<name>.pem` must carry it as CN.
+    pub name: String,
+    /// QUIC (UDP) address for peers.
+    pub listen: SocketAddr,
+    /// `HOST:PORT` of nodes to join through; empty starts a new cluster.
+    pub seeds: Vec<String>,
+    /// Folder with `ca.pem`, `<name>.pem`, `<name>.key` (`mesh cert`).
+    pub cert_dir: PathBuf,
+    /// Heartbeat interval. Each heartbeat is one small frame per peer.
+    pub heartbeat_ms: u64,
+    /// Silence after which a peer is declared dead and its requests re-run elsewhere.
+    /// Lower detects loss sooner; too low declares a busy peer dead.
+    pub failure_timeout_ms: u64,
+    /// Largest control/call frame accepted from a peer.
+    pub max_frame_bytes: usize,
+}
+
+impl Default for ClusterSettings {
+    fn default() -> Self {
+        Self {
+            name: String::new(),
+            listen: "127.0.0.1:7070".parse().expect("valid literal"),
+            seeds: vec![],
+            cert_dir: default_cert_dir(),
+            heartbeat_ms: 250,
+            failure_timeout_ms: 2000,
+            max_frame_bytes: mesh_transport::DEFAULT_MAX_FRAME,
+        }
+    }
+}
+
+/// `MESH_CERT_DIR`, else `~/.mesh/certs`.
+pub fn default_cert_dir() -> PathBuf {
+    if let Ok(d) = std::env::var(env::CERT_DIR) {
+        return PathBuf::from(d);
+    }
+    std::env::var("HOME")
+        .map(|h| PathBuf::from(h).join(".mesh").join("certs"))
+        .unwrap_or_else(|_| PathBuf::from(".mesh/certs"))
+}
+
+impl ClusterSettings {
+    /// The cluster layer's config.
+    pub fn to_cluster_config(&self, http_addr: String) -> mesh_actors::ClusterConfig {
+        mesh_actors::ClusterConfig {
+            listen: self.listen,
+            http_addr,
+            seeds: self.seeds.clone(),
+            heartbeat: std::time::Duration::from_millis(self.heartbeat_ms),
+            failure_timeout: std::time::Duration::from_millis(self.failure_timeout_ms),
+            max_frame: self.max_frame_bytes,
+            ..mesh_actors::ClusterConfig::default()
+        }
+    }
 }
 
 impl Default for NodeConfig {
@@ -44,6 +106,7 @@ impl Default for NodeConfig {
             retry_after_s: 1,
             default_max_tokens: 256,
             tiers: bundled_tiers(&models_dir()),
+            cluster: None,
         }
     }
 }
@@ -94,7 +157,22 @@ impl NodeConfig {
 
     /// Checks the whole config before anything starts.
     pub fn validate(&self) -> anyhow::Result<()> {
-        anyhow::ensure!(!self.tiers.is_empty(), "no tiers configured");
+        anyhow::ensure!(
+            !self.tiers.is_empty() || self.cluster.is_some(),
+            "no tiers configured (only a cluster node may host none and forward everything)"
+        );
+        if let Some(c) = &self.cluster {
+            mesh_transport::tls::check_name(&c.name)?;
+            anyhow::ensure!(c.heartbeat_ms > 0, "cluster.heartbeat_ms must be positive");
+            anyhow::ensure!(
+                c.failure_timeout_ms >= 2 * c.heartbeat_ms,
+                "cluster.failure_timeout_ms must be at least two heartbeats"
+            );
+            anyhow::ensure!(
+                c.max_frame_bytes >= 4096,
+                "cluster.max_frame_bytes must be at least 4096"
+            );
+        }
         anyhow::ensure!(self.max_concurrent > 0, "max_concurrent must be at least 1");
         let mut names = std::collections::HashSet::new();
         for t in &self.tiers {

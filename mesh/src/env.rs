@@ -10,3 +10,5 @@ pub const THREADS: &str = "MESH_THREADS";
 pub const MODELS_DIR: &str = "MESH_MODELS_DIR";
 /// Set to 1 to see llama.cpp's own log lines.
 pub const LLAMA_LOGS: &str = "MESH_LLAMA_LOGS";
+/// Folder of the cluster certificates (default `~/.mesh/certs`).
+pub const CERT_DIR: &str = "MESH_CERT_DIR";

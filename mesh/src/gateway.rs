@@ -1,10 +1,10 @@
 //! The OpenAI-compatible HTTP gateway (axum).
 //!
 //! Routes: `POST /v1/chat/completions`, `POST /v1/completions`,
-//! `GET /v1/models`, `GET /health`, `GET /ready`, `GET /metrics`.
+//! `GET /v1/models`, `GET /v1/cluster`, `GET /health`, `GET /ready`, `GET /metrics`.
 //!
-//! Request path: parse and validate the body (400 with a reason) → find the
-//! tier (404 `model_not_found`) → take a concurrency permit (429 with
+//! Request path: parse and validate the body (400 with a reason) → pick the
+//! node hosting the tier, local or a peer (404 `model_not_found`, 503 if none is up) → take a concurrency permit (429 with
 //! `Retry-After`) → render the chat prompt and tokenize → check the context
 //! (400 `context_length_exceeded`) → submit to the tier actor → stream tokens
 //! out as SSE or collect them. A client that disconnects drops the token
@@ -12,7 +12,7 @@
 
 use std::convert::Infallible;
 use std::sync::Arc;
-use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
 use axum::body::Bytes;
 use axum::extract::State;
@@ -21,7 +21,6 @@ use axum::response::sse::{Event, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
-use mesh_tiers::actor::TierMsg;
 use mesh_tiers::chat::{self, ChatMessage, Role, ToolCall, ToolSpec};
 use mesh_tiers::grammar;
 use mesh_tiers::{FinishReason, GenerateRequest, SamplingParams, TierError, TokenEvent};
@@ -31,8 +30,9 @@ use tokio_stream::wrappers::ReceiverStream;
 use tracing::{info_span, Instrument};
 
 use crate::metrics::{Metrics, RequestLabel};
-use crate::node::{Registry, TierEntry};
+use crate::node::Registry;
 use crate::openai::*;
+use crate::remote::{Dispatcher, RouteError, StartError, Target};
 
 /// Gateway settings.
 #[derive(Debug, Clone)]
@@ -51,15 +51,24 @@ pub struct GatewaySettings {
 #[derive(Clone)]
 pub struct AppState {
     registry: Registry,
+    dispatcher: Arc<Dispatcher>,
     metrics: Arc<Metrics>,
     permits: Arc<Semaphore>,
     settings: Arc<GatewaySettings>,
 }
 
 impl AppState {
-    /// State over a node's tier registry.
-    pub fn new(registry: Registry, settings: GatewaySettings) -> Self {
+    /// State over a node's tier registry and, when the node is in a cluster, its peers.
+    pub fn new(
+        registry: Registry,
+        cluster: Option<mesh_actors::Cluster>,
+        settings: GatewaySettings,
+    ) -> Self {
         Self {
+            dispatcher: Arc::new(Dispatcher {
+                registry: registry.clone(),
+                cluster,
+            }),
             registry,
             metrics: Arc::new(Metrics::default()),
             permits: Arc::new(Semaphore::new(settings.max_concurrent)),
@@ -74,6 +83,7 @@ pub fn router(state: AppState) -> Router {
         .route("/v1/chat/completions", post(chat_completions))
         .route("/v1/completions", post(completions))
         .route("/v1/models", get(models))
+        .route("/v1/cluster", get(cluster))
         .route("/health", get(|| async { Json(json!({"status": "ok"})) }))
         .route("/ready", get(ready))
         .route("/metrics", get(metrics))
@@ -205,28 +215,32 @@ fn parse_body<T: serde::de::DeserializeOwned>(body: &[u8]) -> Result<T, ApiError
 
 /// A validated generation job, ready for a tier.
 struct Job {
-    tier: TierEntry,
     model: String,
     req: GenerateRequest,
     _permit: OwnedSemaphorePermit,
 }
 
 impl AppState {
-    fn find_tier(&self, model: &str) -> Result<TierEntry, ApiError> {
-        self.registry
-            .get(model)
-            .map(|e| e.value().clone())
-            .ok_or_else(|| {
-                if self.settings.expected_tiers.iter().any(|t| t == model) {
-                    ApiError::unavailable(format!(
-                        "The tier `{model}` is restarting; retry shortly."
-                    ))
-                } else {
-                    let mut names: Vec<String> = self.settings.expected_tiers.clone();
-                    names.sort();
-                    ApiError::model_not_found(model, names)
-                }
-            })
+    fn find_tier(&self, model: &str) -> Result<Target, ApiError> {
+        let configured = self.settings.expected_tiers.iter().any(|t| t == model);
+        self.dispatcher.route(model, &[], configured).map_err(|e| match e {
+            RouteError::Unknown(names) => ApiError::model_not_found(model, names),
+            RouteError::NoneAvailable => ApiError::unavailable(format!(
+                "No node hosting `{model}` is available right now (restarting or lost); retry shortly."
+            )),
+        })
+    }
+
+    async fn tokenize(
+        &self,
+        target: &Target,
+        model: &str,
+        text: String,
+    ) -> Result<Vec<i32>, ApiError> {
+        self.dispatcher
+            .tokenize(target, model, text)
+            .await
+            .map_err(ApiError::unavailable)
     }
 
     fn permit(&self) -> Result<OwnedSemaphorePermit, ApiError> {
@@ -252,18 +266,12 @@ impl AppState {
     }
 }
 
-async fn tokenize(tier: &TierEntry, text: String) -> Result<Vec<i32>, ApiError> {
-    ractor::call!(tier.actor, |reply| TierMsg::Tokenize { text, reply })
-        .map_err(|e| ApiError::unavailable(format!("tier unavailable: {e}")))
-}
-
 fn budget(
     state: &AppState,
-    tier: &TierEntry,
+    limit: usize,
     prompt_len: usize,
     asked: Option<usize>,
 ) -> Result<usize, ApiError> {
-    let limit = tier.desc.info.max_seq_len;
     match asked {
         Some(0) => Err(ApiError::bad_request(
             "max_tokens must be at least 1",
@@ -324,23 +332,24 @@ fn sampling(
 
 async fn submit(
     state: &AppState,
+    target: Target,
     job: &Job,
 ) -> Result<mpsc::UnboundedReceiver<TokenEvent>, ApiError> {
-    // One retry through the registry covers a tier actor that was just restarted.
-    let mut tier = job.tier.clone();
-    for attempt in 0..2 {
-        let req = job.req.clone();
-        match ractor::call!(tier.actor, |reply| TierMsg::Generate { req, reply }) {
-            Ok(Ok(rx)) => return Ok(rx),
-            Ok(Err(TierError::EngineStopped)) | Err(_) if attempt == 0 => {
-                tokio::time::sleep(Duration::from_millis(500)).await;
-                tier = state.find_tier(&job.model)?;
+    let retry = state.settings.retry_after_s;
+    state
+        .dispatcher
+        .clone()
+        .dispatch(target, job.model.clone(), job.req.clone())
+        .await
+        .map_err(|e| match e {
+            StartError::Tier(e) => ApiError::from_tier(e, retry),
+            StartError::Call(mesh_actors::CallError::Remote(r)) => {
+                ApiError::from_tier(crate::remote::remote_to_tier(&r), retry)
             }
-            Ok(Err(e)) => return Err(ApiError::from_tier(e, state.settings.retry_after_s)),
-            Err(e) => return Err(ApiError::unavailable(format!("tier unavailable: {e}"))),
-        }
-    }
-    Err(ApiError::unavailable("tier unavailable"))
+            StartError::Call(e) => {
+                ApiError::unavailable(format!("no node could take the request: {e}"))
+            }
+        })
 }
 
 /// Token stream with latency metrics recorded as it is read.
@@ -676,9 +685,9 @@ async fn chat_inner(state: &AppState, body: &[u8]) -> Result<Response, ApiError>
         let (shown, grammar) = tool_plan(to_tools(&r.tools)?, r.tool_choice.as_ref())?;
         let permit = state.permit()?;
         let prompt_text = chat::render_prompt(&messages, &shown);
-        let prompt = tokenize(&tier, prompt_text).instrument(info_span!("tokenize")).await?;
+        let prompt = state.tokenize(&tier, &r.model, prompt_text).instrument(info_span!("tokenize")).await?;
         tracing::Span::current().record("gen_ai.usage.input_tokens", prompt.len());
-        let max_tokens = budget(state, &tier, prompt.len(), r.max_completion_tokens.or(r.max_tokens))?;
+        let max_tokens = budget(state, tier.max_seq_len(), prompt.len(), r.max_completion_tokens.or(r.max_tokens))?;
         let (grammar, trigger) = match grammar {
             Some((g, true)) => (Some(g), Some(chat::CALL.to_owned())),
             Some((g, false)) => (Some(g), None),
@@ -694,8 +703,8 @@ async fn chat_inner(state: &AppState, body: &[u8]) -> Result<Response, ApiError>
             ignore_eos: r.ignore_eos,
             request_id: String::new(),
         };
-        let job = Job { tier, model: r.model.clone(), req, _permit: permit };
-        let rx = submit(state, &job).instrument(info_span!("tier.submit")).await?;
+        let job = Job { model: r.model.clone(), req, _permit: permit };
+        let rx = submit(state, tier, &job).instrument(info_span!("tier.submit")).await?;
         let timed = Timed { rx, model: job.model.clone(), metrics: state.metrics.clone(), arrived, last: None, queued_ms: 0 };
         if r.stream {
             let include_usage = r.stream_options.as_ref().is_some_and(|o| o.include_usage);
@@ -934,12 +943,12 @@ async fn completions_inner(state: &AppState, body: &[u8]) -> Result<Response, Ap
         let tier = state.find_tier(&r.model)?;
         let permit = state.permit()?;
         let prompt = match &r.prompt {
-            Value::String(s) => tokenize(&tier, s.clone()).await?,
-            Value::Array(a) if a.len() == 1 && a[0].is_string() => tokenize(&tier, a[0].as_str().unwrap_or("").to_owned()).await?,
+            Value::String(s) => state.tokenize(&tier, &r.model, s.clone()).await?,
+            Value::Array(a) if a.len() == 1 && a[0].is_string() => state.tokenize(&tier, &r.model, a[0].as_str().unwrap_or("").to_owned()).await?,
             Value::Array(a) if !a.is_empty() && a.iter().all(Value::is_i64) => a.iter().filter_map(Value::as_i64).map(|t| t as i32).collect(),
             _ => return Err(ApiError::bad_request("prompt must be a string, a one-element list of strings, or a list of token ids", Some("prompt"))),
         };
-        let max_tokens = budget(state, &tier, prompt.len(), r.max_tokens)?;
+        let max_tokens = budget(state, tier.max_seq_len(), prompt.len(), r.max_tokens)?;
         let req = GenerateRequest {
             prompt,
             max_tokens,
@@ -948,8 +957,8 @@ async fn completions_inner(state: &AppState, body: &[u8]) -> Result<Response, Ap
             ignore_eos: r.ignore_eos,
             ..Default::default()
         };
-        let job = Job { tier, model: r.model.clone(), req, _permit: permit };
-        let rx = submit(state, &job).await?;
+        let job = Job { model: r.model.clone(), req, _permit: permit };
+        let rx = submit(state, tier, &job).await?;
         let mut timed = Timed { rx, model: job.model.clone(), metrics: state.metrics.clone(), arrived, last: None, queued_ms: 0 };
         if !r.stream {
             let c = collect(timed).await?;
@@ -1010,8 +1019,32 @@ async fn models(State(state): State<AppState>) -> Json<Value> {
                             "n_seq_max": i.n_seq_max, "size_bytes": i.size_bytes}})
         })
         .collect();
+    for name in state.dispatcher.tier_names() {
+        if !state.registry.contains_key(&name) {
+            data.push(json!({"id": name, "object": "model", "created": 0, "owned_by": "mesh", "meta": {"remote": true}}));
+        }
+    }
     data.sort_by(|a, b| a["id"].as_str().cmp(&b["id"].as_str()));
     Json(json!({"object": "list", "data": data}))
+}
+
+/// `GET /v1/cluster`: the members this node knows, for `mesh status`.
+async fn cluster(State(state): State<AppState>) -> Json<Value> {
+    let members: Vec<Value> = match &state.dispatcher.cluster {
+        Some(c) => c.members().into_iter().map(|m| json!({
+            "node": m.node, "local": m.local, "quic_addr": m.quic_addr, "http_addr": m.http_addr,
+            "state": m.state, "uptime_s": m.uptime_s, "last_seen_ms": m.last_seen_ms,
+            "tiers": m.tiers.iter().map(|t| json!({"name": t.name, "active": t.active, "queued": t.queued,
+                "n_seq_max": t.n_seq_max, "max_seq_len": t.max_seq_len, "kv_cells": t.kv_cells, "kv_reserved": t.kv_reserved})).collect::<Vec<_>>(),
+        })).collect(),
+        None => {
+            let tiers = crate::remote::tier_adverts(&state.registry);
+            vec![json!({"node": "local", "local": true, "state": "alive", "quic_addr": null, "http_addr": null, "uptime_s": null, "last_seen_ms": 0,
+                "tiers": tiers.iter().map(|t| json!({"name": t.name, "active": t.active, "queued": t.queued,
+                "n_seq_max": t.n_seq_max, "max_seq_len": t.max_seq_len, "kv_cells": t.kv_cells, "kv_reserved": t.kv_reserved})).collect::<Vec<_>>()})]
+        }
+    };
+    Json(json!({"clustered": state.dispatcher.cluster.is_some(), "members": members}))
 }
 
 async fn ready(State(state): State<AppState>) -> Response {

@@ -20,6 +20,8 @@ pub mod node;
 #[cfg(feature = "node")]
 pub mod openai;
 #[cfg(feature = "node")]
+pub mod remote;
+#[cfg(feature = "node")]
 pub mod telemetry;
 
 #[cfg(feature = "node")]
@@ -38,14 +40,20 @@ mod node_run {
     pub struct Running {
         /// Address the gateway is bound to.
         pub addr: SocketAddr,
+        /// The cluster, when the node joined one.
+        pub cluster: Option<mesh_actors::Cluster>,
         server: tokio::task::JoinHandle<std::io::Result<()>>,
         supervisor: ractor::ActorRef<crate::node::SupervisorMsg>,
     }
 
     impl Running {
-        /// Waits for the gateway to stop (after the shutdown signal), then stops the tiers.
+        /// Waits for the gateway to stop (after the shutdown signal), leaves the cluster
+        /// gracefully, then stops the tiers.
         pub async fn wait(self) -> anyhow::Result<()> {
             let r = self.server.await;
+            if let Some(c) = &self.cluster {
+                c.leave().await;
+            }
             self.supervisor.stop(None);
             r??;
             Ok(())
@@ -65,11 +73,37 @@ mod node_run {
             default_max_tokens: cfg.default_max_tokens,
             expected_tiers: cfg.tiers.iter().map(|t| t.name.clone()).collect(),
         };
-        let app = gateway::router(AppState::new(registry, settings));
         let listener = tokio::net::TcpListener::bind(cfg.listen)
             .await
             .map_err(|e| anyhow::anyhow!("binding {}: {e}", cfg.listen))?;
         let addr = listener.local_addr()?;
+        let cluster = match &cfg.cluster {
+            None => None,
+            Some(cs) => {
+                let paths = mesh_transport::IdentityPaths::in_dir(&cs.cert_dir, &cs.name);
+                let identity = mesh_transport::Identity::load(&paths).map_err(|e| {
+                    anyhow::anyhow!("{e} (create one with `mesh cert issue {}`)", cs.name)
+                })?;
+                anyhow::ensure!(
+                    identity.name == cs.name,
+                    "certificate {} is for `{}`, not `{}`",
+                    paths.cert.display(),
+                    identity.name,
+                    cs.name
+                );
+                let ccfg = cs.to_cluster_config(addr.to_string());
+                let endpoint =
+                    mesh_transport::Endpoint::bind(&identity, cs.listen, &ccfg.transport)?;
+                let service =
+                    std::sync::Arc::new(crate::remote::NodeService::new(registry.clone()));
+                let c = mesh_actors::Cluster::start(endpoint, ccfg, service)
+                    .await
+                    .map_err(|e| anyhow::anyhow!("joining the cluster: {e}"))?;
+                tracing::info!(node = %c.name(), quic = %c.quic_addr(), "in the cluster");
+                Some(c)
+            }
+        };
+        let app = gateway::router(AppState::new(registry, cluster.clone(), settings));
         let server = tokio::spawn(async move {
             axum::serve(listener, app)
                 .with_graceful_shutdown(shutdown)
@@ -77,6 +111,7 @@ mod node_run {
         });
         Ok(Running {
             addr,
+            cluster,
             server,
             supervisor,
         })

@@ -16,8 +16,73 @@ struct Cli {
 
 #[derive(Subcommand, Debug)]
 enum Cmd {
-    /// Start one node: load its tiers and serve the OpenAI-compatible API.
+    /// Start one standalone node: load its tiers and serve the OpenAI-compatible API.
     Up(UpArgs),
+    /// Start a node that joins (or starts) a cluster over QUIC with mutual TLS.
+    Join(JoinArgs),
+    /// Print the cluster as a node's gateway sees it.
+    Status(StatusArgs),
+    /// Cluster certificates.
+    #[command(subcommand)]
+    Cert(CertCmd),
+}
+
+#[derive(Subcommand, Debug)]
+enum CertCmd {
+    /// Create the cluster CA (ca.pem, ca.key with mode 0600) in the cert folder.
+    Init {
+        /// Cert folder (default $MESH_CERT_DIR or ~/.mesh/certs).
+        #[arg(long)]
+        dir: Option<PathBuf>,
+        /// Cluster name written into the CA certificate.
+        #[arg(long, default_value = "mesh")]
+        cluster: String,
+    },
+    /// Issue a node certificate NAME.pem / NAME.key signed by the cluster CA.
+    Issue {
+        /// Node name (its identity in the cluster).
+        name: String,
+        /// Cert folder (default $MESH_CERT_DIR or ~/.mesh/certs).
+        #[arg(long)]
+        dir: Option<PathBuf>,
+    },
+}
+
+#[derive(clap::Args, Debug)]
+struct JoinArgs {
+    /// Node name; the cert folder must hold NAME.pem and NAME.key (`mesh cert issue NAME`).
+    #[arg(long)]
+    name: String,
+    /// Nodes to join through, HOST:PORT of their QUIC address; none starts a new cluster.
+    #[arg(long, value_delimiter = ',')]
+    seeds: Vec<String>,
+    /// Bundled or configured tiers to host (comma-separated), or `none` for a gateway-only node.
+    #[arg(long, value_delimiter = ',')]
+    tiers: Vec<String>,
+    /// QUIC (UDP) listen address for peers.
+    #[arg(long, default_value = "127.0.0.1:7070")]
+    quic: SocketAddr,
+    /// Cert folder (default $MESH_CERT_DIR or ~/.mesh/certs).
+    #[arg(long)]
+    cert_dir: Option<PathBuf>,
+    /// Heartbeat interval in ms.
+    #[arg(long)]
+    heartbeat_ms: Option<u64>,
+    /// Silence in ms after which a peer is declared dead.
+    #[arg(long)]
+    failure_timeout_ms: Option<u64>,
+    #[command(flatten)]
+    up: UpArgs,
+}
+
+#[derive(clap::Args, Debug)]
+struct StatusArgs {
+    /// Gateway of any node.
+    #[arg(long, default_value = "http://127.0.0.1:8080")]
+    gateway: String,
+    /// Print the raw JSON.
+    #[arg(long)]
+    json: bool,
 }
 
 #[derive(clap::Args, Debug)]
@@ -106,10 +171,138 @@ async fn shutdown_signal() {
     tracing::info!("shutting down");
 }
 
+fn join_config(a: &JoinArgs) -> anyhow::Result<NodeConfig> {
+    let mut cfg = node_config(&a.up)?;
+    if a.tiers.iter().any(|t| t == "none") {
+        cfg.tiers.clear();
+    } else if !a.tiers.is_empty() {
+        let unknown: Vec<&String> = a
+            .tiers
+            .iter()
+            .filter(|t| !cfg.tiers.iter().any(|c| &c.name == *t))
+            .collect();
+        anyhow::ensure!(unknown.is_empty(), "--tiers: unknown tier(s) {unknown:?}");
+        cfg.tiers.retain(|t| a.tiers.contains(&t.name));
+    }
+    let mut cs = cfg.cluster.take().unwrap_or_default();
+    cs.name = a.name.clone();
+    cs.listen = a.quic;
+    if !a.seeds.is_empty() {
+        cs.seeds = a.seeds.clone();
+    }
+    if let Some(d) = &a.cert_dir {
+        cs.cert_dir = d.clone();
+    }
+    if let Some(h) = a.heartbeat_ms {
+        cs.heartbeat_ms = h;
+    }
+    if let Some(f) = a.failure_timeout_ms {
+        cs.failure_timeout_ms = f;
+    }
+    cfg.cluster = Some(cs);
+    Ok(cfg)
+}
+
+async fn run_node(cfg: NodeConfig) -> anyhow::Result<()> {
+    let service = match &cfg.cluster {
+        Some(c) => format!("mesh@{}", c.name),
+        None => "mesh".to_owned(),
+    };
+    let _telemetry = mesh::telemetry::init(&service);
+    let names: Vec<&str> = cfg.tiers.iter().map(|t| t.name.as_str()).collect();
+    tracing::info!(listen = %cfg.listen, tiers = ?names, "starting node");
+    let running = mesh::start(cfg, shutdown_signal()).await?;
+    tracing::info!(addr = %running.addr, "gateway listening");
+    if let Some(c) = &running.cluster {
+        println!("mesh node {} quic on {}", c.name(), c.quic_addr());
+    }
+    println!("mesh listening on http://{}", running.addr);
+    running.wait().await
+}
+
+async fn status(a: &StatusArgs) -> anyhow::Result<()> {
+    let url = format!("{}/v1/cluster", a.gateway.trim_end_matches('/'));
+    let v: serde_json::Value = reqwest::Client::new()
+        .get(&url)
+        .timeout(std::time::Duration::from_secs(5))
+        .send()
+        .await
+        .map_err(|e| anyhow::anyhow!("{url}: {e}"))?
+        .error_for_status()?
+        .json()
+        .await?;
+    if a.json {
+        println!("{}", serde_json::to_string_pretty(&v)?);
+        return Ok(());
+    }
+    println!(
+        "{:<12} {:<7} {:<22} {:<22} {:>8} {:>9}  tiers (running/queued/slots)",
+        "NODE", "HEALTH", "QUIC", "GATEWAY", "UPTIME", "SEEN"
+    );
+    for m in v["members"].as_array().into_iter().flatten() {
+        let tiers: Vec<String> = m["tiers"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .map(|t| {
+                format!(
+                    "{}:{}/{}/{}",
+                    t["name"].as_str().unwrap_or("?"),
+                    t["active"],
+                    t["queued"],
+                    t["n_seq_max"]
+                )
+            })
+            .collect();
+        let node = format!(
+            "{}{}",
+            m["node"].as_str().unwrap_or("?"),
+            if m["local"] == true { "*" } else { "" }
+        );
+        println!(
+            "{:<12} {:<7} {:<22} {:<22} {:>7}s {:>7}ms  {}",
+            node,
+            m["state"].as_str().unwrap_or("?"),
+            m["quic_addr"].as_str().unwrap_or("-"),
+            m["http_addr"].as_str().unwrap_or("-"),
+            m["uptime_s"].as_u64().unwrap_or(0),
+            m["last_seen_ms"].as_u64().unwrap_or(0),
+            if tiers.is_empty() {
+                "-".to_owned()
+            } else {
+                tiers.join(" ")
+            }
+        );
+    }
+    Ok(())
+}
+
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
     match cli.cmd {
+        Cmd::Cert(CertCmd::Init { dir, cluster }) => {
+            let dir = dir.unwrap_or_else(mesh::config::default_cert_dir);
+            let ca = mesh_transport::tls::init_ca(&dir, &cluster)?;
+            println!(
+                "cluster CA written to {} (key {}/ca.key, mode 0600)",
+                ca.display(),
+                dir.display()
+            );
+            Ok(())
+        }
+        Cmd::Cert(CertCmd::Issue { name, dir }) => {
+            let dir = dir.unwrap_or_else(mesh::config::default_cert_dir);
+            let p = mesh_transport::tls::issue(&dir, &name)?;
+            println!(
+                "node certificate {} and key {} (mode 0600)",
+                p.cert.display(),
+                p.key.display()
+            );
+            Ok(())
+        }
+        Cmd::Status(a) => status(&a).await,
+        Cmd::Join(a) => run_node(join_config(&a)?).await,
         Cmd::Up(a) => {
             let cfg = node_config(&a)?;
             let _telemetry = mesh::telemetry::init("mesh");

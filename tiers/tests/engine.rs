@@ -205,16 +205,30 @@ async fn cancellation_frees_the_slot() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn queue_limit_refuses_with_overloaded() {
+    use std::sync::atomic::Ordering::Relaxed;
     let e = engine(1, 1);
     let p = prompts("call", 1).remove(0);
-    let _running = e.submit(req(p.clone(), 64)).unwrap();
-    // Give the engine a moment to admit the first request into its only slot.
-    tokio::time::sleep(Duration::from_millis(200)).await;
-    let _queued = e.submit(req(p.clone(), 64)).unwrap();
-    assert!(matches!(
-        e.submit(req(p, 64)),
-        Err(TierError::Overloaded(1))
-    ));
+    // A request that cannot finish early holds the only slot for the whole test.
+    let long = || {
+        let mut r = req(p.clone(), 4096);
+        r.ignore_eos = true;
+        r
+    };
+    let _running = e.submit(long()).unwrap();
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    while e.stats().active.load(Relaxed) == 0 {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "first request never admitted"
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let _queued = e.submit(long()).unwrap();
+    assert_eq!(e.stats().queued.load(Relaxed), 1);
+    match e.submit(long()) {
+        Err(TierError::Overloaded(1)) => {}
+        other => panic!("expected Overloaded(1), got {:?}", other.map(|_| ())),
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -1,0 +1,249 @@
+//! Messages that cross nodes. Every type here is on the wire: never rename or
+//! reorder a variant or field; add new variants at the end and bump
+//! [`mesh_transport::WIRE_VERSION`] when an old node could not read a new frame.
+//!
+//! Streams:
+//! - unidirectional, one [`Control`] frame each: heartbeats (with the sender's advert and
+//!   the peers it knows) and leave notices;
+//! - bidirectional, one per call: the caller writes one [`Request`], the callee answers
+//!   with [`Reply`] frames (one for tokenize/ping; a stream of events for generate) and
+//!   finishes the stream.
+
+use rkyv::{Archive, Deserialize, Serialize};
+
+/// A tier as advertised by the node hosting it.
+#[derive(Archive, Serialize, Deserialize, Debug, Clone, PartialEq)]
+pub struct TierAdvert {
+    /// Tier (model) name, e.g. `t1`.
+    pub name: String,
+    /// Longest prompt + completion one sequence can hold.
+    pub max_seq_len: u32,
+    /// Concurrent sequences.
+    pub n_seq_max: u32,
+    /// Sequences running now.
+    pub active: u32,
+    /// Requests waiting for a sequence.
+    pub queued: u32,
+    /// KV cells of the context (capacity).
+    pub kv_cells: u32,
+    /// KV cells reserved by running sequences.
+    pub kv_reserved: u32,
+}
+
+/// Where a peer listens.
+#[derive(Archive, Serialize, Deserialize, Debug, Clone, PartialEq)]
+pub struct PeerAddr {
+    /// Node name.
+    pub node: String,
+    /// QUIC address.
+    pub quic_addr: String,
+}
+
+/// What a node says about itself in every heartbeat.
+#[derive(Archive, Serialize, Deserialize, Debug, Clone, PartialEq)]
+pub struct NodeAdvert {
+    /// Node name (must equal the certificate's CN).
+    pub node: String,
+    /// QUIC address peers dial.
+    pub quic_addr: String,
+    /// HTTP gateway address.
+    pub http_addr: String,
+    /// Start time of this process (ms since the Unix epoch): a new value means a restart.
+    pub started_ms: u64,
+    /// Tiers hosted.
+    pub tiers: Vec<TierAdvert>,
+    /// Peers the sender considers alive (gossip).
+    pub peers: Vec<PeerAddr>,
+}
+
+/// Frames on unidirectional streams.
+#[derive(Archive, Serialize, Deserialize, Debug, Clone, PartialEq)]
+pub enum Control {
+    /// Periodic liveness + advert.
+    Heartbeat(NodeAdvert),
+    /// The sender is shutting down gracefully.
+    Leave {
+        /// Node leaving.
+        node: String,
+    },
+}
+
+/// One key/value header (trace context).
+#[derive(Archive, Serialize, Deserialize, Debug, Clone, PartialEq)]
+pub struct Header {
+    /// Name.
+    pub key: String,
+    /// Value.
+    pub value: String,
+}
+
+/// A generation call on a remote tier.
+#[derive(Archive, Serialize, Deserialize, Debug, Clone, PartialEq, Default)]
+pub struct GenerateCall {
+    /// Tier name.
+    pub model: String,
+    /// Prompt token ids.
+    pub prompt: Vec<i32>,
+    /// Completion budget.
+    pub max_tokens: u32,
+    /// Sampling temperature (0 = greedy).
+    pub temperature: f32,
+    /// Nucleus mass.
+    pub top_p: f32,
+    /// Top-k (0 = off).
+    pub top_k: i32,
+    /// Sampling seed.
+    pub seed: u32,
+    /// Stop strings.
+    pub stop: Vec<String>,
+    /// GBNF grammar.
+    pub grammar: Option<String>,
+    /// Lazy-grammar trigger.
+    pub grammar_trigger: Option<String>,
+    /// Keep generating past end-of-generation.
+    pub ignore_eos: bool,
+    /// Caller's request id (logs).
+    pub request_id: String,
+    /// The callee stops the call after this many ms (0 = no deadline).
+    pub deadline_ms: u64,
+    /// Trace context (W3C `traceparent`, `tracestate`).
+    pub trace: Vec<Header>,
+}
+
+/// Frames a caller sends.
+#[derive(Archive, Serialize, Deserialize, Debug, Clone, PartialEq)]
+pub enum Request {
+    /// Generate tokens; replies stream as [`Reply::Event`].
+    Generate(GenerateCall),
+    /// Tokenize text with a tier's tokenizer.
+    Tokenize {
+        /// Tier name.
+        model: String,
+        /// Text.
+        text: String,
+    },
+    /// Round trip (latency measurement).
+    Ping {
+        /// Echoed back.
+        nonce: u64,
+        /// Opaque payload echoed back (bulk measurement).
+        payload: Vec<u8>,
+    },
+}
+
+/// Why a generation ended.
+#[derive(Archive, Serialize, Deserialize, Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Finish {
+    /// End of generation or a stop string.
+    Stop,
+    /// `max_tokens` reached.
+    Length,
+    /// The sequence filled its context.
+    ContextFull,
+}
+
+/// A streamed generation event.
+#[derive(Archive, Serialize, Deserialize, Debug, Clone, PartialEq)]
+pub enum Event {
+    /// The request got a sequence.
+    Started {
+        /// Time spent queued.
+        queued_ms: u64,
+    },
+    /// One token.
+    Token {
+        /// Token id.
+        id: i32,
+        /// Its text (may be empty while a stop string is pending).
+        text: String,
+        /// Top-1 minus top-2 probability.
+        margin: f32,
+    },
+    /// Finished.
+    Done {
+        /// Why.
+        finish: Finish,
+        /// Prompt tokens.
+        prompt_tokens: u32,
+        /// Generated tokens.
+        completion_tokens: u32,
+        /// Held-back text released at the end.
+        tail: String,
+    },
+    /// The generation failed (engine stopped).
+    Error(String),
+}
+
+/// Closed set of error classes crossing the wire.
+#[derive(Archive, Serialize, Deserialize, Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ErrorClass {
+    /// The request is invalid; retrying elsewhere will not help.
+    InvalidRequest,
+    /// Prompt + budget exceed the context.
+    ContextExceeded,
+    /// No such tier on the callee.
+    NotFound,
+    /// The tier's queue is full.
+    Overloaded,
+    /// The tier is not running (restarting, stopped).
+    Unavailable,
+    /// The call ran past its deadline.
+    Deadline,
+}
+
+/// An error reply.
+#[derive(Archive, Serialize, Deserialize, Debug, Clone, PartialEq)]
+pub struct RemoteError {
+    /// Class.
+    pub class: ErrorClass,
+    /// Human-readable reason.
+    pub message: String,
+}
+
+impl std::fmt::Display for RemoteError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{:?}: {}", self.class, self.message)
+    }
+}
+
+/// Frames a callee sends.
+#[derive(Archive, Serialize, Deserialize, Debug, Clone, PartialEq)]
+pub enum Reply {
+    /// Token ids of a tokenize call.
+    Tokens(Vec<i32>),
+    /// Generation event.
+    Event(Event),
+    /// The call was refused or failed.
+    Error(RemoteError),
+    /// Answer to a ping.
+    Pong {
+        /// The ping's nonce.
+        nonce: u64,
+        /// The ping's payload.
+        payload: Vec<u8>,
+    },
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use mesh_transport::frame::{decode, encode, HEADER_LEN};
+
+    #[test]
+    fn request_roundtrip() {
+        let r = Request::Generate(GenerateCall {
+            model: "t1".into(),
+            prompt: vec![1, 2, 3],
+            max_tokens: 9,
+            stop: vec!["\n".into()],
+            grammar: Some("root ::= \"x\"".into()),
+            trace: vec![Header {
+                key: "traceparent".into(),
+                value: "00-abc-def-01".into(),
+            }],
+            ..Default::default()
+        });
+        let b = encode(&r).unwrap();
+        assert_eq!(decode::<Request>(&b[HEADER_LEN..]).unwrap(), r);
+    }
+}

@@ -1,0 +1,482 @@
+//! A 3-node cluster of separate `mesh join` processes on 127.0.0.1.
+//!
+//! One test drives the whole life of the cluster because every phase needs the same
+//! three processes (starting them costs seconds on a small machine): join, serve
+//! through every gateway, refuse a foreign certificate, survive garbage frames, lose
+//! a node under 50 concurrent requests, see it rejoin, and see a graceful leave.
+
+use std::io::{BufRead, BufReader};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use serde_json::{json, Value};
+
+fn mesh_bin() -> PathBuf {
+    // target/<profile>/deps/cluster-HASH -> target/<profile>/mesh
+    let exe = std::env::current_exe().expect("test exe path");
+    let bin = exe
+        .parent()
+        .and_then(Path::parent)
+        .expect("target dir")
+        .join("mesh");
+    assert!(
+        bin.exists(),
+        "{} not found: build it with `cargo build --release -p mesh` (cargo test --workspace does)",
+        bin.display()
+    );
+    bin
+}
+
+fn root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("..")
+}
+
+fn mesh(args: &[&str]) -> std::process::Output {
+    Command::new(mesh_bin())
+        .args(args)
+        .current_dir(root())
+        .output()
+        .expect("mesh runs")
+}
+
+struct Node {
+    child: Child,
+    http: String,
+    quic: String,
+}
+
+impl Node {
+    fn start(name: &str, certs: &Path, seeds: &[&str], tiers: &str) -> Result<Node, String> {
+        let mut args: Vec<String> = [
+            "join",
+            "--name",
+            name,
+            "--quic",
+            "127.0.0.1:0",
+            "--port",
+            "0",
+            "--tiers",
+            tiers,
+            "--threads",
+            "1",
+            "--ctx",
+            "4096",
+            "--parallel",
+            "4",
+            "--heartbeat-ms",
+            "100",
+            "--failure-timeout-ms",
+            "1000",
+            "--cert-dir",
+        ]
+        .iter()
+        .map(|s| s.to_string())
+        .collect();
+        args.push(certs.display().to_string());
+        // Node logs stay next to the certs for a failed run: <tmp>/<name>-<pid>.log.
+        let log = certs
+            .join("..")
+            .join(format!("{name}-{}.log", std::process::id()));
+        if !seeds.is_empty() {
+            args.push("--seeds".into());
+            args.push(seeds.join(","));
+        }
+        let mut child = Command::new(mesh_bin())
+            .args(&args)
+            .current_dir(root())
+            .env("RUST_LOG", "info")
+            .stdout(Stdio::piped())
+            .stderr(std::fs::File::create(&log).expect("log file"))
+            .spawn()
+            .expect("mesh starts");
+        let mut lines = BufReader::new(child.stdout.take().expect("stdout")).lines();
+        let mut quic = String::new();
+        loop {
+            match lines.next() {
+                Some(Ok(line)) => {
+                    if let Some(rest) = line.split(" quic on ").nth(1) {
+                        quic = rest.to_owned();
+                    }
+                    if let Some(url) = line.strip_prefix("mesh listening on ") {
+                        // Keep draining stdout so the child never blocks on a full pipe.
+                        std::thread::spawn(move || for _ in lines.by_ref() {});
+                        return Ok(Node {
+                            child,
+                            http: url.to_owned(),
+                            quic,
+                        });
+                    }
+                }
+                _ => {
+                    let _ = child.wait();
+                    return Err(std::fs::read_to_string(&log).unwrap_or_default());
+                }
+            }
+        }
+    }
+
+    fn kill(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+
+    fn terminate(&mut self) {
+        let _ = Command::new("kill")
+            .args(["-TERM", &self.child.id().to_string()])
+            .status();
+        let _ = self.child.wait();
+    }
+}
+
+impl Drop for Node {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
+
+async fn members(http: &str) -> Vec<Value> {
+    let v: Value = reqwest::get(format!("{http}/v1/cluster"))
+        .await
+        .expect("cluster endpoint")
+        .json()
+        .await
+        .expect("json");
+    v["members"].as_array().cloned().unwrap_or_default()
+}
+
+fn state_of(ms: &[Value], node: &str) -> Option<String> {
+    ms.iter()
+        .find(|m| m["node"] == node)
+        .and_then(|m| m["state"].as_str().map(str::to_owned))
+}
+
+async fn wait_for(what: &str, limit: Duration, mut f: impl AsyncFnMut() -> bool) {
+    let t0 = Instant::now();
+    while !f().await {
+        assert!(
+            t0.elapsed() < limit,
+            "timed out after {limit:?} waiting for {what}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+fn request(i: usize) -> Value {
+    let cities = [
+        "Oslo", "Lima", "Tokyo", "Cairo", "Quito", "Perth", "Dakar", "Hanoi", "Riga", "Bern",
+    ];
+    json!({
+        "model": "t1",
+        "messages": [{"role": "user", "content": format!("What is the weather in {} on day {}?", cities[i % 10], i % 10)}],
+        "max_tokens": 96,
+        "ignore_eos": true,
+        "temperature": 0
+    })
+}
+
+async fn complete(
+    client: &reqwest::Client,
+    http: &str,
+    body: &Value,
+) -> Result<(String, u64), String> {
+    let r = client
+        .post(format!("{http}/v1/chat/completions"))
+        .json(body)
+        .timeout(Duration::from_secs(120))
+        .send()
+        .await
+        .map_err(|e| e.to_string())?;
+    let status = r.status();
+    let v: Value = r.json().await.map_err(|e| e.to_string())?;
+    if !status.is_success() {
+        return Err(format!("{status}: {v}"));
+    }
+    let m = &v["choices"][0]["message"];
+    // Call ids are random per response; compare what was called.
+    let calls: Vec<&Value> = m["tool_calls"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .map(|c| &c["function"])
+        .collect();
+    let text = format!("{}|{}", m["content"].as_str().unwrap_or(""), json!(calls));
+    Ok((text, v["usage"]["completion_tokens"].as_u64().unwrap_or(0)))
+}
+
+async fn complete_streaming(
+    client: &reqwest::Client,
+    http: &str,
+    body: &Value,
+) -> Result<String, String> {
+    use futures::StreamExt;
+    let mut body = body.clone();
+    body["stream"] = json!(true);
+    let r = client
+        .post(format!("{http}/v1/chat/completions"))
+        .json(&body)
+        .timeout(Duration::from_secs(120))
+        .send()
+        .await
+        .map_err(|e| e.to_string())?;
+    if !r.status().is_success() {
+        return Err(format!("{}", r.status()));
+    }
+    let mut raw = String::new();
+    let mut s = r.bytes_stream();
+    while let Some(chunk) = s.next().await {
+        raw.push_str(&String::from_utf8_lossy(&chunk.map_err(|e| e.to_string())?));
+    }
+    let mut content = String::new();
+    let mut calls: Vec<Value> = vec![];
+    let mut done = false;
+    for line in raw.lines() {
+        let Some(data) = line.strip_prefix("data: ") else {
+            continue;
+        };
+        if data == "[DONE]" {
+            done = true;
+            continue;
+        }
+        let v: Value = serde_json::from_str(data).map_err(|e| format!("{e}: {data}"))?;
+        if v.get("error").is_some() {
+            return Err(v.to_string());
+        }
+        let delta = &v["choices"][0]["delta"];
+        if let Some(c) = delta["content"].as_str() {
+            content.push_str(c);
+        }
+        for c in delta["tool_calls"].as_array().into_iter().flatten() {
+            calls.push(c["function"].clone());
+        }
+    }
+    if !done {
+        return Err("stream ended without [DONE]".into());
+    }
+    Ok(format!("{content}|{}", json!(calls)))
+}
+
+/// Raw QUIC client with a valid cluster identity, to send malformed frames.
+async fn garbage_frames(certs: &Path, target: &str) {
+    let paths = mesh_transport::IdentityPaths::in_dir(certs, "prober");
+    let id = mesh_transport::Identity::load(&paths).unwrap();
+    let ep =
+        mesh_transport::Endpoint::bind(&id, "127.0.0.1:0".parse().unwrap(), &Default::default())
+            .unwrap();
+    let pc = ep.connect(target.parse().unwrap()).await.unwrap();
+    assert_eq!(pc.peer, "a");
+    // Random bytes: refused with the bad-magic code.
+    let (mut send, mut recv) = pc.conn.open_bi().await.unwrap();
+    send.write_all(b"\x00\x01garbage that is not a frame")
+        .await
+        .unwrap();
+    let _ = send.finish();
+    let err = recv
+        .read_to_end(1 << 16)
+        .await
+        .expect_err("garbage refused");
+    assert!(format!("{err:?}").contains("Reset(17)"), "{err:?}");
+    // A header announcing 64 bytes followed by 10: truncated.
+    let (mut send, mut recv) = pc.conn.open_bi().await.unwrap();
+    let mut frame = b"MS".to_vec();
+    frame.extend_from_slice(&1u16.to_le_bytes());
+    frame.extend_from_slice(&64u32.to_le_bytes());
+    frame.extend_from_slice(&[7u8; 10]);
+    send.write_all(&frame).await.unwrap();
+    let _ = send.finish();
+    let err = recv
+        .read_to_end(1 << 16)
+        .await
+        .expect_err("truncated refused");
+    assert!(format!("{err:?}").contains("Reset(16)"), "{err:?}");
+    // Oversized announcement.
+    let (mut send, mut recv) = pc.conn.open_bi().await.unwrap();
+    let mut frame = b"MS".to_vec();
+    frame.extend_from_slice(&1u16.to_le_bytes());
+    frame.extend_from_slice(&(512u32 << 20).to_le_bytes());
+    send.write_all(&frame).await.unwrap();
+    let err = recv
+        .read_to_end(1 << 16)
+        .await
+        .expect_err("oversized refused");
+    assert!(format!("{err:?}").contains("Reset(19)"), "{err:?}");
+    // The same connection still answers a well-formed call.
+    let (mut send, mut recv) = pc.conn.open_bi().await.unwrap();
+    let ping = mesh_actors::wire::Request::Ping {
+        nonce: 42,
+        payload: vec![1, 2, 3],
+    };
+    mesh_transport::write_frame(&mut send, &ping).await.unwrap();
+    let _ = send.finish();
+    let reply = mesh_transport::read_frame::<mesh_actors::wire::Reply, _>(&mut recv, 1 << 20)
+        .await
+        .unwrap();
+    assert_eq!(
+        reply,
+        Some(mesh_actors::wire::Reply::Pong {
+            nonce: 42,
+            payload: vec![1, 2, 3]
+        })
+    );
+    pc.conn.close(0u32.into(), b"done");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn three_node_cluster() {
+    let dir = tempfile::tempdir().unwrap();
+    // MESH_TEST_DIR keeps certificates and node logs for a look after a failure.
+    let base = std::env::var("MESH_TEST_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|_| dir.path().to_path_buf());
+    let certs = base.join("certs");
+    let c = certs.display().to_string();
+    let out = mesh(&["cert", "init", "--dir", &c]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    for n in ["a", "b", "c", "prober"] {
+        let out = mesh(&["cert", "issue", n, "--dir", &c]);
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    // Issuing a name twice never overwrites its key.
+    assert!(!mesh(&["cert", "issue", "a", "--dir", &c]).status.success());
+
+    let a = Node::start("a", &certs, &[], "t1").expect("a starts");
+    let seed = a.quic.clone();
+    let mut b = Node::start("b", &certs, &[&seed], "t1").expect("b joins");
+    let mut cn = Node::start("c", &certs, &[&seed], "t1").expect("c joins");
+    // Everyone sees everyone (c learns about b through gossip, not from a seed list).
+    for http in [&a.http, &b.http, &cn.http] {
+        wait_for("3 alive members", Duration::from_secs(30), async || {
+            let ms = members(http).await;
+            ms.len() == 3 && ms.iter().all(|m| m["state"] == "alive")
+        })
+        .await;
+    }
+    let status = mesh(&["status", "--gateway", &a.http]);
+    let table = String::from_utf8_lossy(&status.stdout);
+    assert!(status.status.success());
+    for n in ["a*", "b ", "c "] {
+        assert!(table.contains(n), "status lacks {n}: {table}");
+    }
+
+    // A certificate from another CA cannot join.
+    let foreign = base.join("foreign");
+    let f = foreign.display().to_string();
+    assert!(mesh(&["cert", "init", "--dir", &f]).status.success());
+    assert!(mesh(&["cert", "issue", "d", "--dir", &f]).status.success());
+    let err = Node::start("d", &foreign, &[&seed], "none")
+        .err()
+        .expect("foreign node refused");
+    assert!(err.contains("no seed could be reached"), "{err}");
+    assert!(state_of(&members(&a.http).await, "d").is_none());
+
+    // Garbage on streams does not disturb the node.
+    garbage_frames(&certs, &seed).await;
+
+    // Reference answers, then the same requests through every gateway.
+    let client = reqwest::Client::new();
+    let mut reference = vec![];
+    let mut reference_stream = vec![];
+    for i in 0..10 {
+        reference.push(
+            complete(&client, &a.http, &request(i))
+                .await
+                .expect("reference"),
+        );
+        reference_stream.push(
+            complete_streaming(&client, &a.http, &request(i))
+                .await
+                .expect("reference"),
+        );
+    }
+    for http in [&a.http, &b.http, &cn.http] {
+        for i in [0, 7] {
+            let got = complete(&client, http, &request(i)).await.expect("served");
+            assert_eq!(got, reference[i], "gateway {http} request {i}");
+        }
+    }
+
+    // 50 concurrent requests through a and c; b is killed while serving some of them.
+    let mut tasks = vec![];
+    for i in 0..50 {
+        let client = client.clone();
+        let http = if i % 2 == 0 {
+            a.http.clone()
+        } else {
+            cn.http.clone()
+        };
+        let body = request(i);
+        tasks.push(tokio::spawn(async move {
+            if i % 3 == 0 {
+                complete_streaming(&client, &http, &body)
+                    .await
+                    .map(|t| (t, 0))
+            } else {
+                complete(&client, &http, &body).await
+            }
+        }));
+    }
+    wait_for("b to be serving", Duration::from_secs(30), async || {
+        members(&b.http)
+            .await
+            .iter()
+            .any(|m| m["node"] == "b" && m["tiers"][0]["active"].as_u64().unwrap_or(0) > 0)
+    })
+    .await;
+    let killed_at = Instant::now();
+    b.kill();
+    let mut failed = vec![];
+    for (i, t) in tasks.into_iter().enumerate() {
+        match t.await.unwrap() {
+            Ok((text, n)) => {
+                let want = &reference[i % 10];
+                if i % 3 == 0 {
+                    assert_eq!(
+                        text,
+                        reference_stream[i % 10],
+                        "streamed request {i} differs"
+                    );
+                } else {
+                    assert_eq!(
+                        (text, n),
+                        want.clone(),
+                        "request {i} differs after failover"
+                    );
+                }
+            }
+            Err(e) => failed.push(format!("{i}: {e}")),
+        }
+    }
+    assert!(failed.is_empty(), "requests lost: {failed:?}");
+    eprintln!("all 50 completed {:?} after the kill", killed_at.elapsed());
+    wait_for("b declared dead", Duration::from_secs(10), async || {
+        state_of(&members(&a.http).await, "b").as_deref() == Some("dead")
+    })
+    .await;
+
+    // b restarts with the same name and rejoins.
+    let _b2 = Node::start("b", &certs, &[&seed], "t1").expect("b restarts");
+    wait_for("b alive again", Duration::from_secs(30), async || {
+        state_of(&members(&a.http).await, "b").as_deref() == Some("alive")
+    })
+    .await;
+
+    // Graceful leave on SIGTERM.
+    cn.terminate();
+    wait_for("c left", Duration::from_secs(10), async || {
+        state_of(&members(&a.http).await, "c").as_deref() == Some("left")
+    })
+    .await;
+    let got = complete(&client, &a.http, &request(3))
+        .await
+        .expect("still serving");
+    assert_eq!(got, reference[3]);
+    drop(_b2);
+}
