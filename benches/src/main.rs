@@ -19,6 +19,7 @@ mod machine;
 mod report;
 mod server;
 mod stats;
+mod transport;
 mod workload;
 
 use clap::{Parser, Subcommand};
@@ -36,6 +37,9 @@ enum Command {
     /// Streaming decode: single stream and N concurrent streams, TTFT, inter-token latency,
     /// tokens/s and peak RSS, mesh vs llama-server.
     Decode(decode::DecodeArgs),
+    /// Mesh transport (QUIC + mTLS + rkyv frames) vs plain TCP: round trip and bulk; and the
+    /// gateway's forwarding overhead vs serving locally.
+    Transport(transport::TransportArgs),
 }
 
 #[tokio::main(flavor = "current_thread")]
@@ -43,5 +47,6 @@ async fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
     match cli.command {
         Command::Decode(args) => decode::run(args).await,
+        Command::Transport(args) => transport::run(args).await,
     }
 }

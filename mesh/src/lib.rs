@@ -8,6 +8,8 @@
 //! Start a node in-process with [`serve`]; the binary does the same behind
 //! `mesh up`.
 
+#[cfg(feature = "client")]
+pub mod client;
 #[cfg(feature = "node")]
 pub mod config;
 pub mod env;

@@ -76,6 +76,10 @@ impl Endpoint {
                     .map_err(|_| TransportError::Config("idle_timeout too large".into()))?,
             ))
             .max_concurrent_bidi_streams(cfg.max_bidi_streams.into())
+            // Wider windows than quinn's defaults: KV pages are MiB-sized bulk transfers.
+            .stream_receive_window((8u32 << 20).into())
+            .receive_window((32u32 << 20).into())
+            .send_window(32 << 20)
             .max_concurrent_uni_streams(1024u32.into());
         let transport = Arc::new(transport);
         let server_crypto = QuicServerConfig::try_from(identity.server.clone())

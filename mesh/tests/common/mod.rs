@@ -57,3 +57,12 @@ impl Drop for MeshProcess {
         let _ = self.child.wait();
     }
 }
+
+impl MeshProcess {
+    /// Kills the process now (SIGKILL).
+    #[allow(dead_code)] // not every test binary that includes this module kills
+    pub(crate) fn kill(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
