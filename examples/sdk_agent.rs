@@ -39,7 +39,10 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         }
     }
     let client = Client::new(gateways)?;
-    let path = concat!(env!("CARGO_MANIFEST_DIR"), "/../models/fixtures/agent_tasks.jsonl");
+    let path = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../models/fixtures/agent_tasks.jsonl"
+    );
     let tasks: Vec<Value> = std::fs::read_to_string(path)?
         .lines()
         .filter_map(|l| serde_json::from_str(l).ok())
@@ -57,7 +60,10 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         let mut calls = vec![];
         let (answer, convo) = client
             .run_agent(&model, vec![Message::user(user)], tools, 4, |call| {
-                calls.push(format!("{}({})", call.function.name, call.function.arguments));
+                calls.push(format!(
+                    "{}({})",
+                    call.function.name, call.function.arguments
+                ));
                 stand_in_tool(call)
             })
             .await?;

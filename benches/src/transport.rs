@@ -49,7 +49,10 @@ pub(crate) struct TransportArgs {
 const MAX: usize = 2 << 20;
 
 fn ping(n: usize) -> Request {
-    Request::Ping { nonce: n as u64, payload: vec![7u8; 64] }
+    Request::Ping {
+        nonce: n as u64,
+        payload: vec![7u8; 64],
+    }
 }
 
 async fn quic_pair(dir: &std::path::Path) -> anyhow::Result<(Endpoint, Endpoint)> {
@@ -57,7 +60,11 @@ async fn quic_pair(dir: &std::path::Path) -> anyhow::Result<(Endpoint, Endpoint)
     let mut eps = vec![];
     for n in ["server", "client"] {
         let id = Identity::load(&mesh_transport::tls::issue(dir, n)?)?;
-        eps.push(Endpoint::bind(&id, "127.0.0.1:0".parse()?, &Default::default())?);
+        eps.push(Endpoint::bind(
+            &id,
+            "127.0.0.1:0".parse()?,
+            &Default::default(),
+        )?);
     }
     let client = eps.pop().expect("two");
     let server = eps.pop().expect("two");
@@ -68,7 +75,10 @@ async fn quic_pair(dir: &std::path::Path) -> anyhow::Result<(Endpoint, Endpoint)
 async fn echo(send: &mut quinn::SendStream, recv: &mut quinn::RecvStream) {
     while let Ok(Some(req)) = read_frame::<Request, _>(recv, MAX).await {
         if let Request::Ping { nonce, payload } = req {
-            if write_frame(send, &Reply::Pong { nonce, payload }).await.is_err() {
+            if write_frame(send, &Reply::Pong { nonce, payload })
+                .await
+                .is_err()
+            {
                 return;
             }
         }
@@ -106,7 +116,10 @@ async fn quic_bench(a: &TransportArgs) -> anyhow::Result<(Vec<f64>, f64)> {
     }
     // Bulk: one stream, frames echoed back as a 1-byte-payload ack at the end.
     let (mut s, mut r) = pc.conn.open_bi().await?;
-    let chunk = Request::Ping { nonce: 0, payload: vec![1u8; 1 << 20] };
+    let chunk = Request::Ping {
+        nonce: 0,
+        payload: vec![1u8; 1 << 20],
+    };
     let t = Instant::now();
     let reader = tokio::spawn(async move {
         let mut n = 0usize;
@@ -133,8 +146,13 @@ async fn tcp_bench(a: &TransportArgs) -> anyhow::Result<(Vec<f64>, f64)> {
             sock.set_nodelay(true).ok();
             tokio::spawn(async move {
                 let (mut r, mut w) = sock.into_split();
-                while let Ok(Some(Request::Ping { nonce, payload })) = read_frame::<Request, _>(&mut r, MAX).await {
-                    if write_frame(&mut w, &Reply::Pong { nonce, payload }).await.is_err() {
+                while let Ok(Some(Request::Ping { nonce, payload })) =
+                    read_frame::<Request, _>(&mut r, MAX).await
+                {
+                    if write_frame(&mut w, &Reply::Pong { nonce, payload })
+                        .await
+                        .is_err()
+                    {
                         return;
                     }
                 }
@@ -154,7 +172,10 @@ async fn tcp_bench(a: &TransportArgs) -> anyhow::Result<(Vec<f64>, f64)> {
             rtt.push(t.elapsed().as_secs_f64() * 1e6);
         }
     }
-    let chunk = Request::Ping { nonce: 0, payload: vec![1u8; 1 << 20] };
+    let chunk = Request::Ping {
+        nonce: 0,
+        payload: vec![1u8; 1 << 20],
+    };
     let t = Instant::now();
     let bulk = a.bulk_mib;
     let reader = tokio::spawn(async move {
@@ -177,13 +198,20 @@ async fn tcp_bench(a: &TransportArgs) -> anyhow::Result<(Vec<f64>, f64)> {
 }
 
 fn tempdir() -> anyhow::Result<PathBuf> {
-    let d = std::env::temp_dir().join(format!("mesh-bench-{}-{}", std::process::id(), rand_suffix()));
+    let d = std::env::temp_dir().join(format!(
+        "mesh-bench-{}-{}",
+        std::process::id(),
+        rand_suffix()
+    ));
     std::fs::create_dir_all(&d)?;
     Ok(d)
 }
 
 fn rand_suffix() -> u128 {
-    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_nanos()).unwrap_or(0)
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_nanos())
+        .unwrap_or(0)
 }
 
 struct Child(tokio::process::Child);
@@ -194,18 +222,42 @@ impl Drop for Child {
     }
 }
 
-async fn start_node(bin: &PathBuf, certs: &std::path::Path, name: &str, tiers: &str, seed: Option<&str>) -> anyhow::Result<(Child, String, String)> {
+async fn start_node(
+    bin: &PathBuf,
+    certs: &std::path::Path,
+    name: &str,
+    tiers: &str,
+    seed: Option<&str>,
+) -> anyhow::Result<(Child, String, String)> {
     let mut cmd = tokio::process::Command::new(bin);
-    cmd.args(["join", "--name", name, "--quic", "127.0.0.1:0", "--port", "0", "--tiers", tiers,
-        "--threads", "1", "--ctx", "4096", "--parallel", "4", "--cert-dir"])
-        .arg(certs)
-        .stdout(Stdio::piped())
-        .stderr(Stdio::null())
-        .kill_on_drop(true);
+    cmd.args([
+        "join",
+        "--name",
+        name,
+        "--quic",
+        "127.0.0.1:0",
+        "--port",
+        "0",
+        "--tiers",
+        tiers,
+        "--threads",
+        "1",
+        "--ctx",
+        "4096",
+        "--parallel",
+        "4",
+        "--cert-dir",
+    ])
+    .arg(certs)
+    .stdout(Stdio::piped())
+    .stderr(Stdio::null())
+    .kill_on_drop(true);
     if let Some(s) = seed {
         cmd.args(["--seeds", s]);
     }
-    let mut child = cmd.spawn().with_context(|| format!("starting {}", bin.display()))?;
+    let mut child = cmd
+        .spawn()
+        .with_context(|| format!("starting {}", bin.display()))?;
     let mut lines = tokio::io::BufReader::new(child.stdout.take().context("stdout")?).lines();
     let mut quic = String::new();
     while let Some(line) = lines.next_line().await? {
@@ -232,8 +284,16 @@ async fn forward_bench(a: &TransportArgs) -> anyhow::Result<Value> {
     let http = reqwest::Client::new();
     // Wait until the forwarding node sees t1.
     for _ in 0..100 {
-        let v: Value = http.get(format!("{fwd}/v1/models")).send().await?.json().await?;
-        if v["data"].as_array().is_some_and(|d| d.iter().any(|m| m["id"] == "t1")) {
+        let v: Value = http
+            .get(format!("{fwd}/v1/models"))
+            .send()
+            .await?
+            .json()
+            .await?;
+        if v["data"]
+            .as_array()
+            .is_some_and(|d| d.iter().any(|m| m["id"] == "t1"))
+        {
             break;
         }
         tokio::time::sleep(Duration::from_millis(100)).await;
@@ -244,7 +304,11 @@ async fn forward_bench(a: &TransportArgs) -> anyhow::Result<Value> {
     for i in 0..a.forward_requests + 20 {
         for (k, base) in [&host, &fwd].into_iter().enumerate() {
             let t = Instant::now();
-            let r = http.post(format!("{base}/v1/chat/completions")).json(&body).send().await?;
+            let r = http
+                .post(format!("{base}/v1/chat/completions"))
+                .json(&body)
+                .send()
+                .await?;
             anyhow::ensure!(r.status().is_success(), "{base}: {}", r.status());
             let _: Value = r.json().await?;
             if i >= 20 {
@@ -281,9 +345,22 @@ pub(crate) async fn run(a: TransportArgs) -> anyhow::Result<()> {
     let f = |x: Option<f64>| x.map(|v| format!("{v:.1}")).unwrap_or_else(|| "-".into());
     println!("| measure | mesh (QUIC+mTLS, rkyv) | plain TCP | ratio |");
     println!("|---|---|---|---|");
-    println!("| round trip p50 (µs) | {} | {} | {} |", f(q.p50), f(t.p50), f(q.p50.zip(t.p50).map(|(q, t)| q / t)));
-    println!("| round trip p99 (µs) | {} | {} | {} |", f(q.p99), f(t.p99), f(q.p99.zip(t.p99).map(|(q, t)| q / t)));
-    println!("| bulk (MiB/s, echo) | {q_bulk:.0} | {t_bulk:.0} | {:.2} |", q_bulk / t_bulk);
+    println!(
+        "| round trip p50 (µs) | {} | {} | {} |",
+        f(q.p50),
+        f(t.p50),
+        f(q.p50.zip(t.p50).map(|(q, t)| q / t))
+    );
+    println!(
+        "| round trip p99 (µs) | {} | {} | {} |",
+        f(q.p99),
+        f(t.p99),
+        f(q.p99.zip(t.p99).map(|(q, t)| q / t))
+    );
+    println!(
+        "| bulk (MiB/s, echo) | {q_bulk:.0} | {t_bulk:.0} | {:.2} |",
+        q_bulk / t_bulk
+    );
     if let Some(fw) = forward.as_object() {
         println!("\nforwarding (1-token chat, {} requests): local p50 {} ms, forwarded p50 {} ms, added {} ms",
             a.forward_requests, f(fw["local_ms"]["p50"].as_f64()), f(fw["forwarded_ms"]["p50"].as_f64()), f(fw["added_p50_ms"].as_f64()));

@@ -126,7 +126,8 @@ pub struct ToolCall {
 impl ToolCall {
     /// Parsed arguments.
     pub fn arguments(&self) -> Result<Value, ClientError> {
-        serde_json::from_str(&self.function.arguments).map_err(|e| ClientError::Decode(e.to_string()))
+        serde_json::from_str(&self.function.arguments)
+            .map_err(|e| ClientError::Decode(e.to_string()))
     }
 }
 
@@ -274,8 +275,13 @@ impl Client {
         if bases.is_empty() {
             return Err(ClientError::Config("no gateway address".into()));
         }
-        if let Some(bad) = bases.iter().find(|b| !b.starts_with("http://") && !b.starts_with("https://")) {
-            return Err(ClientError::Config(format!("`{bad}` is not an http(s) URL")));
+        if let Some(bad) = bases
+            .iter()
+            .find(|b| !b.starts_with("http://") && !b.starts_with("https://"))
+        {
+            return Err(ClientError::Config(format!(
+                "`{bad}` is not an http(s) URL"
+            )));
         }
         Ok(Self {
             http: reqwest::Client::builder()
@@ -312,7 +318,9 @@ impl Client {
                 Attempt::Retry(why) => {
                     tracing::warn!(gateway = %self.bases[i], attempt, reason = %why, "gateway failed; trying the next");
                     last = format!("{}: {why}", self.bases[i]);
-                    let _ = self.next.compare_exchange(i, (i + 1) % self.bases.len(), Relaxed, Relaxed);
+                    let _ =
+                        self.next
+                            .compare_exchange(i, (i + 1) % self.bases.len(), Relaxed, Relaxed);
                     // Each address is tried once before backing off.
                     if (attempt + 1) % self.bases.len() == 0 {
                         tokio::time::sleep(backoff).await;
@@ -327,7 +335,12 @@ impl Client {
         })
     }
 
-    async fn send(&self, base: &str, path: &str, body: &impl Serialize) -> Attempt<reqwest::Response> {
+    async fn send(
+        &self,
+        base: &str,
+        path: &str,
+        body: &impl Serialize,
+    ) -> Attempt<reqwest::Response> {
         let r = self
             .http
             .post(format!("{base}{path}"))
@@ -344,7 +357,10 @@ impl Client {
                 if status == 429 || status >= 500 {
                     Attempt::Retry(format!("{status}: {msg}"))
                 } else {
-                    Attempt::Fatal(ClientError::Refused { status, message: msg })
+                    Attempt::Fatal(ClientError::Refused {
+                        status,
+                        message: msg,
+                    })
                 }
             }
         }
@@ -430,7 +446,12 @@ fn sse_deltas(
 ) -> impl Stream<Item = Result<ChatDelta, ClientError>> {
     let bytes = Box::pin(bytes);
     futures::stream::unfold(
-        (bytes, String::new(), std::collections::VecDeque::new(), false),
+        (
+            bytes,
+            String::new(),
+            std::collections::VecDeque::new(),
+            false,
+        ),
         |(mut bytes, mut buf, mut ready, mut done)| async move {
             loop {
                 if let Some(d) = ready.pop_front() {
@@ -442,7 +463,9 @@ fn sse_deltas(
                 match bytes.next().await {
                     None => {
                         done = true;
-                        ready.push_back(Err(ClientError::Stream("stream ended before it finished".into())));
+                        ready.push_back(Err(ClientError::Stream(
+                            "stream ended before it finished".into(),
+                        )));
                     }
                     Some(Err(e)) => {
                         done = true;
@@ -452,7 +475,9 @@ fn sse_deltas(
                         buf.push_str(&String::from_utf8_lossy(&chunk));
                         while let Some(pos) = buf.find('\n') {
                             let line: String = buf.drain(..=pos).collect();
-                            let Some(data) = line.trim_end().strip_prefix("data: ") else { continue };
+                            let Some(data) = line.trim_end().strip_prefix("data: ") else {
+                                continue;
+                            };
                             if data == "[DONE]" {
                                 done = true;
                                 break;
@@ -474,14 +499,17 @@ fn sse_deltas(
 }
 
 fn parse_chunk(data: &str) -> Result<Vec<ChatDelta>, ClientError> {
-    let v: Value = serde_json::from_str(data).map_err(|e| ClientError::Decode(format!("{e}: {data}")))?;
+    let v: Value =
+        serde_json::from_str(data).map_err(|e| ClientError::Decode(format!("{e}: {data}")))?;
     if let Some(err) = v.get("error") {
         return Err(ClientError::Stream(
             err["message"].as_str().unwrap_or("server error").to_owned(),
         ));
     }
     let mut out = vec![];
-    let Some(choice) = v["choices"].get(0) else { return Ok(out) };
+    let Some(choice) = v["choices"].get(0) else {
+        return Ok(out);
+    };
     let delta = &choice["delta"];
     if let Some(t) = delta["reasoning_content"].as_str() {
         out.push(ChatDelta::Reasoning(t.to_owned()));
@@ -490,11 +518,14 @@ fn parse_chunk(data: &str) -> Result<Vec<ChatDelta>, ClientError> {
         out.push(ChatDelta::Content(t.to_owned()));
     }
     for c in delta["tool_calls"].as_array().into_iter().flatten() {
-        let call: ToolCall = serde_json::from_value(c.clone()).map_err(|e| ClientError::Decode(e.to_string()))?;
+        let call: ToolCall =
+            serde_json::from_value(c.clone()).map_err(|e| ClientError::Decode(e.to_string()))?;
         out.push(ChatDelta::ToolCall(call));
     }
     if let Some(r) = choice["finish_reason"].as_str() {
-        out.push(ChatDelta::Finished { reason: r.to_owned() });
+        out.push(ChatDelta::Finished {
+            reason: r.to_owned(),
+        });
     }
     Ok(out)
 }
@@ -505,18 +536,34 @@ mod tests {
 
     #[test]
     fn parses_stream_chunks() {
-        let d = parse_chunk(r#"{"choices":[{"index":0,"delta":{"content":"hi"},"finish_reason":null}]}"#).unwrap();
+        let d = parse_chunk(
+            r#"{"choices":[{"index":0,"delta":{"content":"hi"},"finish_reason":null}]}"#,
+        )
+        .unwrap();
         assert_eq!(d, vec![ChatDelta::Content("hi".into())]);
         let d = parse_chunk(r#"{"choices":[{"index":0,"delta":{"tool_calls":[{"index":0,"id":"c1","type":"function","function":{"name":"f","arguments":"{}"}}]},"finish_reason":null}]}"#).unwrap();
         assert!(matches!(&d[0], ChatDelta::ToolCall(c) if c.function.name == "f" && c.id == "c1"));
-        let d = parse_chunk(r#"{"choices":[{"index":0,"delta":{},"finish_reason":"stop"}]}"#).unwrap();
-        assert_eq!(d, vec![ChatDelta::Finished { reason: "stop".into() }]);
-        assert!(matches!(parse_chunk(r#"{"error":{"message":"boom"}}"#), Err(ClientError::Stream(m)) if m == "boom"));
+        let d =
+            parse_chunk(r#"{"choices":[{"index":0,"delta":{},"finish_reason":"stop"}]}"#).unwrap();
+        assert_eq!(
+            d,
+            vec![ChatDelta::Finished {
+                reason: "stop".into()
+            }]
+        );
+        assert!(
+            matches!(parse_chunk(r#"{"error":{"message":"boom"}}"#), Err(ClientError::Stream(m)) if m == "boom")
+        );
     }
 
     #[test]
     fn config_errors_are_clear() {
-        assert!(matches!(Client::new(Vec::<String>::new()), Err(ClientError::Config(_))));
-        assert!(matches!(Client::new(["localhost:8080"]), Err(ClientError::Config(m)) if m.contains("not an http")));
+        assert!(matches!(
+            Client::new(Vec::<String>::new()),
+            Err(ClientError::Config(_))
+        ));
+        assert!(
+            matches!(Client::new(["localhost:8080"]), Err(ClientError::Config(m)) if m.contains("not an http"))
+        );
     }
 }

@@ -27,10 +27,18 @@ async fn client_fails_over_when_its_gateway_dies() {
         format!("http://{}", l.local_addr().unwrap())
     };
     let client = Client::new([dead, a.base.clone(), b.base.clone()]).unwrap();
-    let mut req = ChatRequest::new("t1", vec![Message::user("What is the forecast in Oslo for 2026-05-01?")]);
+    let mut req = ChatRequest::new(
+        "t1",
+        vec![Message::user(
+            "What is the forecast in Oslo for 2026-05-01?",
+        )],
+    );
     req.tools = vec![weather_tool()];
     req.max_tokens = Some(64);
-    let first = client.chat(&req).await.expect("served despite a dead first address");
+    let first = client
+        .chat(&req)
+        .await
+        .expect("served despite a dead first address");
     let msg = &first.choices[0].message;
     assert!(first.usage.completion_tokens > 0);
 
@@ -45,25 +53,53 @@ async fn client_fails_over_when_its_gateway_dies() {
             ChatDelta::Finished { reason } => finished = Some(reason),
         }
     }
-    assert_eq!(calls, msg.tool_calls.iter().map(|c| c.function.clone()).collect::<Vec<_>>());
-    assert_eq!(finished.as_deref(), first.choices[0].finish_reason.as_deref());
+    assert_eq!(
+        calls,
+        msg.tool_calls
+            .iter()
+            .map(|c| c.function.clone())
+            .collect::<Vec<_>>()
+    );
+    assert_eq!(
+        finished.as_deref(),
+        first.choices[0].finish_reason.as_deref()
+    );
 
     // Kill the gateway in use: the next call lands on b with the same answer.
     a.kill();
-    let again = client.chat(&req).await.expect("served by the surviving gateway");
+    let again = client
+        .chat(&req)
+        .await
+        .expect("served by the surviving gateway");
     assert_eq!(
-        again.choices[0].message.tool_calls.iter().map(|c| &c.function).collect::<Vec<_>>(),
-        msg.tool_calls.iter().map(|c| &c.function).collect::<Vec<_>>()
+        again.choices[0]
+            .message
+            .tool_calls
+            .iter()
+            .map(|c| &c.function)
+            .collect::<Vec<_>>(),
+        msg.tool_calls
+            .iter()
+            .map(|c| &c.function)
+            .collect::<Vec<_>>()
     );
 
     // An agent loop runs tools until the model answers.
     let mut ran = 0;
     let result = client
-        .run_agent("t1", vec![Message::user("What is the forecast in Lima for 2026-06-02?")], vec![weather_tool()], 3, |call| {
-            ran += 1;
-            assert_eq!(call.function.name, "weather_get_forecast");
-            json!({"forecast": "sunny", "high_c": 24}).to_string()
-        })
+        .run_agent(
+            "t1",
+            vec![Message::user(
+                "What is the forecast in Lima for 2026-06-02?",
+            )],
+            vec![weather_tool()],
+            3,
+            |call| {
+                ran += 1;
+                assert_eq!(call.function.name, "weather_get_forecast");
+                json!({"forecast": "sunny", "high_c": 24}).to_string()
+            },
+        )
         .await;
     match result {
         Ok((_, convo)) => assert!(convo.iter().any(|m| m.role == "tool")),
@@ -75,7 +111,10 @@ async fn client_fails_over_when_its_gateway_dies() {
     // Refusals are not retried and say why.
     let bad = ChatRequest::new("no-such-tier", vec![Message::user("hi")]);
     match client.chat(&bad).await {
-        Err(ClientError::Refused { status: 404, message }) => assert!(message.contains("no-such-tier")),
+        Err(ClientError::Refused {
+            status: 404,
+            message,
+        }) => assert!(message.contains("no-such-tier")),
         other => panic!("expected 404, got {other:?}"),
     }
 }
