@@ -1,0 +1,601 @@
+//! The page store: a RAM tier over an optional disk tier.
+//!
+//! ```text
+//!   put ─▶ RAM (LRU, byte budget) ──write-through (writer thread)──▶ disk (page files, byte budget)
+//!   get ─▶ RAM hit ─▶ checksum ─▶ payload
+//!          RAM miss ─▶ disk hit ─▶ checksum ─▶ promote to RAM ─▶ payload
+//!                      corrupt ─▶ refused, counted, file deleted ─▶ miss (caller recomputes)
+//! ```
+//!
+//! Disk is write-through, so a page evicted from RAM (least recently used first)
+//! is still on disk, and disk pages survive a restart (the folder is indexed at
+//! open). When the disk budget is full, the least recently used disk pages are
+//! deleted. A failed disk write (disk full, read-only folder) switches the disk
+//! tier off, says so once in the log and in [`StoreStats::disk_degraded`], and
+//! the store keeps serving from RAM. Every read checks the page checksum, so a
+//! damaged page never reaches a model.
+//!
+//! Locks are held only around map updates, never across file I/O on the read path
+//! of another page; the engine thread calls [`PageStore::get`] and
+//! [`PageStore::put`] directly.
+
+use std::collections::{BTreeMap, HashMap};
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed};
+use std::sync::{mpsc, Arc, Mutex};
+
+use bytes::Bytes;
+use tracing::{info, warn};
+
+use crate::id::{PageId, Salt};
+use crate::page::{self, PageMeta};
+
+/// Store settings.
+#[derive(Debug, Clone)]
+pub struct StoreConfig {
+    /// RAM tier budget in bytes (pages with headers).
+    pub ram_bytes: u64,
+    /// Disk tier folder; `None` for RAM only.
+    pub disk_dir: Option<PathBuf>,
+    /// Disk tier budget in bytes; 0 turns the disk tier off.
+    pub disk_bytes: u64,
+}
+
+/// Counters (exported as metrics).
+#[derive(Debug, Default)]
+pub struct StoreStats {
+    /// Pages found in RAM.
+    pub hits_ram: AtomicU64,
+    /// Pages found on disk.
+    pub hits_disk: AtomicU64,
+    /// Pages asked for and not found.
+    pub misses: AtomicU64,
+    /// New pages stored.
+    pub puts: AtomicU64,
+    /// Puts of a page already stored (identical prefix from another sequence).
+    pub dedup_pages: AtomicU64,
+    /// Bytes not stored again thanks to dedup.
+    pub dedup_bytes: AtomicU64,
+    /// Pages refused because their checksum or header was wrong.
+    pub corrupt: AtomicU64,
+    /// Pages evicted from RAM (still on disk when the disk tier is on).
+    pub evicted_ram: AtomicU64,
+    /// Pages deleted from disk for its budget.
+    pub evicted_disk: AtomicU64,
+    /// Bytes in RAM.
+    pub bytes_ram: AtomicU64,
+    /// Bytes on disk.
+    pub bytes_disk: AtomicU64,
+    /// Pages in RAM.
+    pub pages_ram: AtomicU64,
+    /// Pages on disk.
+    pub pages_disk: AtomicU64,
+    /// Disk write/read errors.
+    pub disk_errors: AtomicU64,
+    /// 1 when the disk tier was switched off after an error.
+    pub disk_degraded: AtomicU64,
+}
+
+#[derive(Default)]
+struct Lru {
+    map: HashMap<PageId, (Bytes, u64)>,
+    order: BTreeMap<u64, PageId>,
+    bytes: u64,
+    tick: u64,
+}
+
+impl Lru {
+    fn touch(&mut self, id: &PageId) -> Option<Bytes> {
+        self.tick += 1;
+        let tick = self.tick;
+        let (b, t) = self.map.get_mut(id)?;
+        self.order.remove(t);
+        *t = tick;
+        self.order.insert(tick, *id);
+        Some(b.clone())
+    }
+    fn insert(&mut self, id: PageId, b: Bytes) {
+        self.tick += 1;
+        self.bytes += b.len() as u64;
+        if let Some((old, t)) = self.map.insert(id, (b, self.tick)) {
+            self.bytes -= old.len() as u64;
+            self.order.remove(&t);
+        }
+        self.order.insert(self.tick, id);
+    }
+    fn remove(&mut self, id: &PageId) -> Option<Bytes> {
+        let (b, t) = self.map.remove(id)?;
+        self.order.remove(&t);
+        self.bytes -= b.len() as u64;
+        Some(b)
+    }
+    fn pop_oldest(&mut self) -> Option<(PageId, Bytes)> {
+        let (&t, &id) = self.order.iter().next()?;
+        self.order.remove(&t);
+        let (b, _) = self.map.remove(&id)?;
+        self.bytes -= b.len() as u64;
+        Some((id, b))
+    }
+}
+
+/// Disk tier index: page id → (size, last use); the bytes live in files.
+#[derive(Default)]
+struct DiskIndex {
+    map: HashMap<PageId, (u64, u64)>,
+    order: BTreeMap<u64, PageId>,
+    bytes: u64,
+    tick: u64,
+}
+
+impl DiskIndex {
+    fn insert(&mut self, id: PageId, size: u64) {
+        self.tick += 1;
+        if let Some((s, t)) = self.map.insert(id, (size, self.tick)) {
+            self.bytes -= s;
+            self.order.remove(&t);
+        }
+        self.bytes += size;
+        self.order.insert(self.tick, id);
+    }
+    fn touch(&mut self, id: &PageId) -> bool {
+        self.tick += 1;
+        let tick = self.tick;
+        match self.map.get_mut(id) {
+            Some((_, t)) => {
+                self.order.remove(t);
+                *t = tick;
+                self.order.insert(tick, *id);
+                true
+            }
+            None => false,
+        }
+    }
+    fn remove(&mut self, id: &PageId) {
+        if let Some((s, t)) = self.map.remove(id) {
+            self.bytes -= s;
+            self.order.remove(&t);
+        }
+    }
+}
+
+struct Disk {
+    dir: PathBuf,
+    budget: u64,
+    index: Mutex<DiskIndex>,
+    degraded: AtomicBool,
+}
+
+impl Disk {
+    fn path(&self, id: &PageId) -> PathBuf {
+        self.dir.join(format!("{}.page", id.to_hex()))
+    }
+}
+
+/// A tiered page store. Cheap to share (`Arc`).
+pub struct PageStore {
+    ram_budget: u64,
+    ram: Mutex<Lru>,
+    disk: Option<Arc<Disk>>,
+    writer: Mutex<Option<mpsc::Sender<(PageId, Bytes)>>>,
+    writer_thread: Mutex<Option<std::thread::JoinHandle<()>>>,
+    stats: Arc<StoreStats>,
+}
+
+impl std::fmt::Debug for PageStore {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PageStore")
+            .field("ram_budget", &self.ram_budget)
+            .field("disk", &self.disk.as_ref().map(|d| d.dir.clone()))
+            .finish()
+    }
+}
+
+fn degrade(disk: &Disk, stats: &StoreStats, what: &str, e: &std::io::Error) {
+    stats.disk_errors.fetch_add(1, Relaxed);
+    if !disk.degraded.swap(true, Relaxed) {
+        stats.disk_degraded.store(1, Relaxed);
+        warn!(dir = %disk.dir.display(), error = %e, "{what} failed; KV page disk tier off, serving from RAM");
+    }
+}
+
+impl PageStore {
+    /// Opens the store; indexes pages already in the disk folder (from an earlier run).
+    /// A disk folder that cannot be created or written leaves the store RAM-only
+    /// (degraded), never fails.
+    pub fn open(cfg: StoreConfig) -> Self {
+        let stats = Arc::new(StoreStats::default());
+        let disk = match (&cfg.disk_dir, cfg.disk_bytes) {
+            (Some(dir), b) if b > 0 => {
+                let d = Arc::new(Disk {
+                    dir: dir.clone(),
+                    budget: b,
+                    index: Mutex::new(DiskIndex::default()),
+                    degraded: AtomicBool::new(false),
+                });
+                let probe = dir.join(".mesh-probe");
+                let ok = std::fs::create_dir_all(dir)
+                    .and_then(|_| std::fs::write(&probe, b"ok"))
+                    .and_then(|_| std::fs::remove_file(&probe));
+                if let Err(e) = ok {
+                    degrade(&d, &stats, "opening the page folder", &e);
+                } else {
+                    let mut found: Vec<(std::time::SystemTime, PageId, u64)> =
+                        std::fs::read_dir(dir)
+                            .into_iter()
+                            .flatten()
+                            .flatten()
+                            .filter_map(|e| {
+                                let name = e.file_name().into_string().ok()?;
+                                let id = PageId::from_hex(name.strip_suffix(".page")?)?;
+                                let md = e.metadata().ok()?;
+                                Some((md.modified().ok()?, id, md.len()))
+                            })
+                            .collect();
+                    found.sort();
+                    let mut idx = d.index.lock().expect("disk index");
+                    for (_, id, len) in &found {
+                        idx.insert(*id, *len);
+                    }
+                    stats.pages_disk.store(idx.map.len() as u64, Relaxed);
+                    stats.bytes_disk.store(idx.bytes, Relaxed);
+                    if !found.is_empty() {
+                        info!(dir = %dir.display(), pages = found.len(), bytes = idx.bytes, "KV pages found on disk");
+                    }
+                }
+                Some(d)
+            }
+            _ => None,
+        };
+        let (writer, writer_thread) = match &disk {
+            Some(d) => {
+                let (tx, rx) = mpsc::channel::<(PageId, Bytes)>();
+                let (d, st) = (d.clone(), stats.clone());
+                let h = std::thread::Builder::new()
+                    .name("kv-page-writer".into())
+                    .spawn(move || {
+                        for (id, bytes) in rx {
+                            write_page(&d, &st, id, &bytes);
+                        }
+                    })
+                    .expect("spawn page writer");
+                (Some(tx), Some(h))
+            }
+            None => (None, None),
+        };
+        Self {
+            ram_budget: cfg.ram_bytes,
+            ram: Mutex::new(Lru::default()),
+            disk,
+            writer: Mutex::new(writer),
+            writer_thread: Mutex::new(writer_thread),
+            stats,
+        }
+    }
+
+    /// Counters.
+    pub fn stats(&self) -> &Arc<StoreStats> {
+        &self.stats
+    }
+
+    /// Whether `id` is stored in any tier (no checksum check).
+    pub fn contains(&self, id: &PageId) -> bool {
+        self.ram.lock().expect("ram").map.contains_key(id)
+            || self
+                .disk
+                .as_ref()
+                .is_some_and(|d| d.index.lock().expect("disk index").map.contains_key(id))
+    }
+
+    /// The payload of page `id` in namespace `salt`, or `None` (missing or refused as corrupt).
+    pub fn get(&self, id: &PageId, salt: &Salt) -> Option<Bytes> {
+        let in_ram = self.ram.lock().expect("ram").touch(id);
+        if let Some(b) = in_ram {
+            match page::decode(&b, id, salt) {
+                Ok((_, payload)) => {
+                    self.stats.hits_ram.fetch_add(1, Relaxed);
+                    return Some(payload);
+                }
+                Err(e) => {
+                    self.refuse(id, &e.to_string());
+                    return None;
+                }
+            }
+        }
+        let Some(d) = &self.disk else {
+            self.stats.misses.fetch_add(1, Relaxed);
+            return None;
+        };
+        if !d.index.lock().expect("disk index").touch(id) {
+            self.stats.misses.fetch_add(1, Relaxed);
+            return None;
+        }
+        let bytes = match std::fs::read(d.path(id)) {
+            Ok(b) => Bytes::from(b),
+            Err(e) => {
+                warn!(page = %id, error = %e, "reading a KV page failed");
+                self.stats.disk_errors.fetch_add(1, Relaxed);
+                self.forget_disk(id);
+                self.stats.misses.fetch_add(1, Relaxed);
+                return None;
+            }
+        };
+        match page::decode(&bytes, id, salt) {
+            Ok((_, payload)) => {
+                self.stats.hits_disk.fetch_add(1, Relaxed);
+                self.insert_ram(*id, bytes);
+                Some(payload)
+            }
+            Err(e) => {
+                self.refuse(id, &e.to_string());
+                None
+            }
+        }
+    }
+
+    /// Consecutive pages of `ids` from the first, stopping at the first missing one.
+    pub fn longest_prefix(&self, ids: &[PageId], salt: &Salt) -> Vec<Bytes> {
+        let mut out = vec![];
+        for id in ids {
+            match self.get(id, salt) {
+                Some(p) => out.push(p),
+                None => break,
+            }
+        }
+        out
+    }
+
+    /// Stores a page; returns false if it was already stored (deduplicated).
+    pub fn put(&self, meta: &PageMeta, payload: &[u8]) -> bool {
+        if self.contains(&meta.id) {
+            self.stats.dedup_pages.fetch_add(1, Relaxed);
+            self.stats
+                .dedup_bytes
+                .fetch_add((payload.len() + page::HEADER_LEN) as u64, Relaxed);
+            return false;
+        }
+        let bytes = page::encode(meta, payload);
+        self.stats.puts.fetch_add(1, Relaxed);
+        self.insert_ram(meta.id, bytes.clone());
+        if let Some(d) = &self.disk {
+            if !d.degraded.load(Relaxed) {
+                if let Some(tx) = self.writer.lock().expect("writer").as_ref() {
+                    let _ = tx.send((meta.id, bytes));
+                }
+            }
+        }
+        true
+    }
+
+    /// Waits until pages handed to the disk writer are on disk.
+    pub fn flush(&self) {
+        let tx = self.writer.lock().expect("writer").take();
+        drop(tx);
+        if let Some(h) = self.writer_thread.lock().expect("writer thread").take() {
+            let _ = h.join();
+        }
+        // Reopen a writer so the store keeps working after a flush.
+        if let Some(d) = &self.disk {
+            let (tx, rx) = mpsc::channel::<(PageId, Bytes)>();
+            let (d, st) = (d.clone(), self.stats.clone());
+            let h = std::thread::spawn(move || {
+                for (id, bytes) in rx {
+                    write_page(&d, &st, id, &bytes);
+                }
+            });
+            *self.writer.lock().expect("writer") = Some(tx);
+            *self.writer_thread.lock().expect("writer thread") = Some(h);
+        }
+    }
+
+    fn insert_ram(&self, id: PageId, bytes: Bytes) {
+        let mut ram = self.ram.lock().expect("ram");
+        ram.insert(id, bytes);
+        while ram.bytes > self.ram_budget {
+            match ram.pop_oldest() {
+                Some(_) => {
+                    self.stats.evicted_ram.fetch_add(1, Relaxed);
+                }
+                None => break,
+            }
+        }
+        self.stats.bytes_ram.store(ram.bytes, Relaxed);
+        self.stats.pages_ram.store(ram.map.len() as u64, Relaxed);
+    }
+
+    fn forget_disk(&self, id: &PageId) {
+        if let Some(d) = &self.disk {
+            let mut idx = d.index.lock().expect("disk index");
+            idx.remove(id);
+            self.stats.pages_disk.store(idx.map.len() as u64, Relaxed);
+            self.stats.bytes_disk.store(idx.bytes, Relaxed);
+        }
+    }
+
+    fn refuse(&self, id: &PageId, why: &str) {
+        warn!(page = %id, reason = %why, "refused a corrupt KV page; the prefix will be recomputed");
+        self.stats.corrupt.fetch_add(1, Relaxed);
+        self.stats.misses.fetch_add(1, Relaxed);
+        {
+            let mut ram = self.ram.lock().expect("ram");
+            ram.remove(id);
+            self.stats.bytes_ram.store(ram.bytes, Relaxed);
+            self.stats.pages_ram.store(ram.map.len() as u64, Relaxed);
+        }
+        if let Some(d) = &self.disk {
+            let _ = std::fs::remove_file(d.path(id));
+        }
+        self.forget_disk(id);
+    }
+}
+
+fn write_page(d: &Disk, st: &StoreStats, id: PageId, bytes: &[u8]) {
+    if d.degraded.load(Relaxed) {
+        return;
+    }
+    let size = bytes.len() as u64;
+    // Make room under the budget, least recently used first.
+    let victims: Vec<PageId> = {
+        let mut idx = d.index.lock().expect("disk index");
+        let mut v = vec![];
+        while idx.bytes + size > d.budget {
+            let Some((_, &oldest)) = idx.order.iter().next() else {
+                break;
+            };
+            idx.remove(&oldest);
+            v.push(oldest);
+        }
+        v
+    };
+    for v in &victims {
+        let _ = std::fs::remove_file(d.path(v));
+        st.evicted_disk.fetch_add(1, Relaxed);
+    }
+    if size > d.budget {
+        return;
+    }
+    let path = d.path(&id);
+    let tmp = path.with_extension("tmp");
+    let res = std::fs::write(&tmp, bytes).and_then(|_| std::fs::rename(&tmp, &path));
+    match res {
+        Ok(()) => {
+            let mut idx = d.index.lock().expect("disk index");
+            idx.insert(id, size);
+            st.pages_disk.store(idx.map.len() as u64, Relaxed);
+            st.bytes_disk.store(idx.bytes, Relaxed);
+        }
+        Err(e) => {
+            let _ = std::fs::remove_file(&tmp);
+            degrade(d, st, "writing a KV page", &e);
+        }
+    }
+}
+
+impl Drop for PageStore {
+    fn drop(&mut self) {
+        // Let queued pages reach the disk.
+        drop(self.writer.lock().expect("writer").take());
+        if let Some(h) = self.writer_thread.lock().expect("writer thread").take() {
+            let _ = h.join();
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::id::PageId;
+
+    fn meta(i: u8) -> PageMeta {
+        PageMeta {
+            id: PageId([i; 32]),
+            salt: Salt([7; 32]),
+            block: 4,
+            index: 0,
+        }
+    }
+
+    #[test]
+    fn ram_lru_evicts_oldest_and_disk_keeps_it() {
+        let dir = tempfile::tempdir().unwrap();
+        let page_len = (page::HEADER_LEN + 1000) as u64;
+        let s = PageStore::open(StoreConfig {
+            ram_bytes: 2 * page_len,
+            disk_dir: Some(dir.path().into()),
+            disk_bytes: 1 << 20,
+        });
+        for i in 0..3 {
+            assert!(s.put(&meta(i), &[i; 1000]));
+        }
+        // Identical page again: deduplicated.
+        assert!(!s.put(&meta(1), &[1; 1000]));
+        assert_eq!(s.stats().dedup_pages.load(Relaxed), 1);
+        assert_eq!(s.stats().evicted_ram.load(Relaxed), 1);
+        s.flush();
+        // Page 0 left RAM but comes back from disk (promoted).
+        assert_eq!(
+            s.get(&meta(0).id, &meta(0).salt).unwrap()[..],
+            [0u8; 1000][..]
+        );
+        assert_eq!(s.stats().hits_disk.load(Relaxed), 1);
+        assert!(s.get(&meta(2).id, &meta(2).salt).is_some());
+        // Wrong namespace: not served.
+        assert!(s.get(&meta(2).id, &Salt([0; 32])).is_none());
+        assert!(s.get(&PageId([99; 32]), &meta(0).salt).is_none());
+    }
+
+    #[test]
+    fn pages_survive_reopen_and_corruption_is_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        let cfg = StoreConfig {
+            ram_bytes: 1 << 20,
+            disk_dir: Some(dir.path().into()),
+            disk_bytes: 1 << 20,
+        };
+        {
+            let s = PageStore::open(cfg.clone());
+            s.put(&meta(1), &[1; 100]);
+            s.put(&meta(2), &[2; 100]);
+        }
+        let s = PageStore::open(cfg.clone());
+        assert_eq!(s.stats().pages_disk.load(Relaxed), 2);
+        assert_eq!(
+            s.get(&meta(1).id, &meta(1).salt).unwrap()[..],
+            [1u8; 100][..]
+        );
+        // Flip a payload byte of page 2 on disk.
+        let p = dir.path().join(format!("{}.page", meta(2).id.to_hex()));
+        let mut b = std::fs::read(&p).unwrap();
+        let n = b.len();
+        b[n - 5] ^= 0xFF;
+        std::fs::write(&p, b).unwrap();
+        assert!(s.get(&meta(2).id, &meta(2).salt).is_none());
+        assert_eq!(s.stats().corrupt.load(Relaxed), 1);
+        assert!(!p.exists(), "corrupt page deleted");
+        assert!(!s.contains(&meta(2).id));
+    }
+
+    #[test]
+    fn unwritable_disk_degrades_to_ram() {
+        let dir = tempfile::tempdir().unwrap();
+        // A file where the folder should be: the folder cannot be created.
+        let blocker = dir.path().join("blocked");
+        std::fs::write(&blocker, b"x").unwrap();
+        let s = PageStore::open(StoreConfig {
+            ram_bytes: 1 << 20,
+            disk_dir: Some(blocker.join("pages")),
+            disk_bytes: 1 << 20,
+        });
+        assert_eq!(s.stats().disk_degraded.load(Relaxed), 1);
+        assert!(s.put(&meta(1), &[1; 10]));
+        assert!(s.get(&meta(1).id, &meta(1).salt).is_some());
+        // Budget 0: no disk tier at all, no error.
+        let s = PageStore::open(StoreConfig {
+            ram_bytes: 1 << 20,
+            disk_dir: Some(dir.path().into()),
+            disk_bytes: 0,
+        });
+        assert!(s.put(&meta(1), &[1; 10]));
+        assert_eq!(s.stats().disk_degraded.load(Relaxed), 0);
+    }
+
+    #[test]
+    fn disk_budget_deletes_least_recently_used() {
+        let dir = tempfile::tempdir().unwrap();
+        let page_len = (page::HEADER_LEN + 100) as u64;
+        let s = PageStore::open(StoreConfig {
+            ram_bytes: 1 << 20,
+            disk_dir: Some(dir.path().into()),
+            disk_bytes: 2 * page_len,
+        });
+        for i in 0..3 {
+            s.put(&meta(i), &[i; 100]);
+        }
+        s.flush();
+        assert_eq!(s.stats().pages_disk.load(Relaxed), 2);
+        assert_eq!(s.stats().evicted_disk.load(Relaxed), 1);
+        assert!(!dir
+            .path()
+            .join(format!("{}.page", meta(0).id.to_hex()))
+            .exists());
+    }
+}
