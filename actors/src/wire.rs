@@ -108,6 +108,8 @@ pub struct GenerateCall {
     pub deadline_ms: u64,
     /// Trace context (W3C `traceparent`, `tracestate`).
     pub trace: Vec<Header>,
+    /// Prefix-page sharing scope (requests share KV pages only within one scope).
+    pub cache_scope: String,
 }
 
 /// Frames a caller sends.

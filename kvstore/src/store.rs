@@ -366,6 +366,15 @@ impl PageStore {
         true
     }
 
+    /// Counts a page that was not stored again because an identical one is
+    /// (`payload_bytes` without the header).
+    pub fn note_dedup(&self, payload_bytes: usize) {
+        self.stats.dedup_pages.fetch_add(1, Relaxed);
+        self.stats
+            .dedup_bytes
+            .fetch_add((payload_bytes + page::HEADER_LEN) as u64, Relaxed);
+    }
+
     /// Waits until pages handed to the disk writer are on disk.
     pub fn flush(&self) {
         let tx = self.writer.lock().expect("writer").take();

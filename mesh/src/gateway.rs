@@ -69,8 +69,8 @@ impl AppState {
                 registry: registry.clone(),
                 cluster,
             }),
+            metrics: Arc::new(Metrics::new(registry.clone())),
             registry,
-            metrics: Arc::new(Metrics::default()),
             permits: Arc::new(Semaphore::new(settings.max_concurrent)),
             settings: Arc::new(settings),
         }
@@ -438,6 +438,13 @@ async fn collect(mut t: Timed) -> Result<Collected, ApiError> {
     Err(ApiError::unavailable("the tier stopped before finishing"))
 }
 
+fn cache_scope(tools: &[ToolSpec]) -> String {
+    let mut names: Vec<&str> = tools.iter().map(|t| t.name.as_str()).collect();
+    names.sort_unstable();
+    names.dedup();
+    format!("tools:{}", names.join(","))
+}
+
 fn now_s() -> u64 {
     SystemTime::now()
         .duration_since(UNIX_EPOCH)
@@ -702,6 +709,8 @@ async fn chat_inner(state: &AppState, body: &[u8]) -> Result<Response, ApiError>
             grammar_trigger: trigger,
             ignore_eos: r.ignore_eos,
             request_id: String::new(),
+            // Prefix pages are shared only between requests offered the same tools.
+            cache_scope: cache_scope(&shown),
         };
         let job = Job { model: r.model.clone(), req, _permit: permit };
         let rx = submit(state, tier, &job).instrument(info_span!("tier.submit")).await?;

@@ -111,6 +111,12 @@ struct UpArgs {
     /// Concurrent sequences per tier.
     #[arg(long)]
     parallel: Option<u32>,
+    /// Folder for the KV page disk tier (one subfolder per tier); pages survive restarts.
+    #[arg(long)]
+    kv_dir: Option<PathBuf>,
+    /// Tokens per KV page (0 turns prefix pages off).
+    #[arg(long)]
+    kv_block: Option<usize>,
 }
 
 fn node_config(a: &UpArgs) -> anyhow::Result<NodeConfig> {
@@ -149,6 +155,12 @@ fn node_config(a: &UpArgs) -> anyhow::Result<NodeConfig> {
         }
         if let Some(p) = a.parallel {
             t.n_seq_max = p;
+        }
+        if let Some(d) = &a.kv_dir {
+            t.kv_pages.disk_dir = Some(d.join(&t.name));
+        }
+        if let Some(b) = a.kv_block {
+            t.kv_pages.block = b;
         }
     }
     Ok(cfg)

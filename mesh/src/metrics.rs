@@ -6,12 +6,15 @@
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
+use prometheus_client::collector::Collector;
 use prometheus_client::encoding::text::encode;
-use prometheus_client::encoding::EncodeLabelSet;
-use prometheus_client::metrics::counter::Counter;
+use prometheus_client::encoding::{DescriptorEncoder, EncodeLabelSet, EncodeMetric};
+use prometheus_client::metrics::counter::{ConstCounter, Counter};
 use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::ConstGauge;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
+use prometheus_client::metrics::MetricType;
 use prometheus_client::registry::Registry;
 
 use mesh_tiers::EngineStats;
@@ -130,6 +133,232 @@ impl Default for Metrics {
             m.cancelled.clone(),
         );
         Self { registry, ..m }
+    }
+}
+
+/// Label: model and storage tier.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct TierLabel {
+    model: String,
+    tier: &'static str,
+}
+
+/// Scrape-time collector of the KV page store and transport counters.
+#[derive(Debug)]
+struct NodeCollector {
+    tiers: crate::node::Registry,
+}
+
+fn family<L: EncodeLabelSet>(
+    enc: &mut DescriptorEncoder,
+    name: &str,
+    help: &str,
+    counter: bool,
+    rows: &[(L, u64)],
+) -> Result<(), std::fmt::Error> {
+    if rows.is_empty() {
+        return Ok(());
+    }
+    let ty = if counter {
+        MetricType::Counter
+    } else {
+        MetricType::Gauge
+    };
+    let mut m = enc.encode_descriptor(name, help, None, ty)?;
+    for (labels, v) in rows {
+        let fam = m.encode_family(labels)?;
+        if counter {
+            ConstCounter::new(*v).encode(fam)?;
+        } else {
+            ConstGauge::new(*v as i64).encode(fam)?;
+        }
+    }
+    Ok(())
+}
+
+impl Collector for NodeCollector {
+    fn encode(&self, mut enc: DescriptorEncoder) -> Result<(), std::fmt::Error> {
+        use Ordering::Relaxed;
+        let mut per: Vec<(String, mesh_tiers::PageHandles)> = self
+            .tiers
+            .iter()
+            .filter_map(|e| e.value().desc.pages.clone().map(|p| (e.key().clone(), p)))
+            .collect();
+        per.sort_by(|a, b| a.0.cmp(&b.0));
+        let m = |model: &str| ModelLabel {
+            model: model.to_owned(),
+        };
+        let t = |model: &str, tier: &'static str| TierLabel {
+            model: model.to_owned(),
+            tier,
+        };
+        type Get = fn(&mesh_tiers::PageHandles) -> u64;
+        let model_counters: [(&str, &str, Get); 9] = [
+            (
+                "kv_prefix_lookups",
+                "Requests that looked for a cached prompt prefix",
+                |p| p.reuse.lookups.load(Relaxed),
+            ),
+            (
+                "kv_prefix_hits",
+                "Requests that restored at least one cached page",
+                |p| p.reuse.hits.load(Relaxed),
+            ),
+            (
+                "kv_recompute_avoided_tokens",
+                "Prompt tokens restored from pages instead of prefilled",
+                |p| p.reuse.tokens_reused.load(Relaxed),
+            ),
+            (
+                "kv_pages_published",
+                "New pages stored after a prefill",
+                |p| p.reuse.published.load(Relaxed),
+            ),
+            ("kv_page_misses", "Pages looked up and not found", |p| {
+                p.store.stats().misses.load(Relaxed)
+            }),
+            (
+                "kv_pages_deduplicated",
+                "Pages not stored again because an identical prefix was stored",
+                |p| p.store.stats().dedup_pages.load(Relaxed),
+            ),
+            (
+                "kv_dedup_saved_bytes",
+                "Bytes not stored thanks to deduplication",
+                |p| p.store.stats().dedup_bytes.load(Relaxed),
+            ),
+            (
+                "kv_corrupt_pages",
+                "Pages refused because their checksum or header was wrong",
+                |p| p.store.stats().corrupt.load(Relaxed),
+            ),
+            (
+                "kv_disk_errors",
+                "Page disk reads or writes that failed",
+                |p| p.store.stats().disk_errors.load(Relaxed),
+            ),
+        ];
+        for (name, help, get) in model_counters {
+            let rows: Vec<_> = per.iter().map(|(n, p)| (m(n), get(p))).collect();
+            family(&mut enc, name, help, true, &rows)?;
+        }
+        let hits: Vec<_> = per
+            .iter()
+            .flat_map(|(n, p)| {
+                let st = p.store.stats();
+                [
+                    (t(n, "ram"), st.hits_ram.load(Relaxed)),
+                    (t(n, "disk"), st.hits_disk.load(Relaxed)),
+                ]
+            })
+            .collect();
+        family(
+            &mut enc,
+            "kv_page_hits",
+            "Pages found, by storage tier",
+            true,
+            &hits,
+        )?;
+        let evicted: Vec<_> = per
+            .iter()
+            .flat_map(|(n, p)| {
+                let st = p.store.stats();
+                [
+                    (t(n, "ram"), st.evicted_ram.load(Relaxed)),
+                    (t(n, "disk"), st.evicted_disk.load(Relaxed)),
+                ]
+            })
+            .collect();
+        family(
+            &mut enc,
+            "kv_pages_evicted",
+            "Pages evicted for the tier's budget",
+            true,
+            &evicted,
+        )?;
+        let pages: Vec<_> = per
+            .iter()
+            .flat_map(|(n, p)| {
+                let st = p.store.stats();
+                [
+                    (t(n, "ram"), st.pages_ram.load(Relaxed)),
+                    (t(n, "disk"), st.pages_disk.load(Relaxed)),
+                ]
+            })
+            .collect();
+        family(
+            &mut enc,
+            "kv_pages",
+            "Pages held, by storage tier",
+            false,
+            &pages,
+        )?;
+        let bytes: Vec<_> = per
+            .iter()
+            .flat_map(|(n, p)| {
+                let st = p.store.stats();
+                [
+                    (t(n, "ram"), st.bytes_ram.load(Relaxed)),
+                    (t(n, "disk"), st.bytes_disk.load(Relaxed)),
+                ]
+            })
+            .collect();
+        family(
+            &mut enc,
+            "kv_page_bytes",
+            "Bytes of pages held, by storage tier",
+            false,
+            &bytes,
+        )?;
+        let degraded: Vec<_> = per
+            .iter()
+            .map(|(n, p)| (m(n), p.store.stats().disk_degraded.load(Relaxed)))
+            .collect();
+        family(
+            &mut enc,
+            "kv_disk_degraded",
+            "1 when the page disk tier was switched off after an error",
+            false,
+            &degraded,
+        )?;
+        let f = &mesh_transport::frame::STATS;
+        let none: [(NoLabels, u64); 1] = [(NoLabels {}, f.refused.load(Relaxed))];
+        family(
+            &mut enc,
+            "transport_frames_refused",
+            "Wire frames refused (malformed, truncated, oversized, wrong version)",
+            true,
+            &none,
+        )?;
+        family(
+            &mut enc,
+            "transport_frames_received",
+            "Wire frames decoded",
+            true,
+            &[(NoLabels {}, f.frames_in.load(Relaxed))],
+        )?;
+        family(
+            &mut enc,
+            "transport_frames_sent",
+            "Wire frames encoded",
+            true,
+            &[(NoLabels {}, f.frames_out.load(Relaxed))],
+        )?;
+        Ok(())
+    }
+}
+
+/// Empty label set.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct NoLabels {}
+
+impl Metrics {
+    /// Metrics of a node whose tiers are in `tiers` (page store counters are read at scrape time).
+    pub fn new(tiers: crate::node::Registry) -> Self {
+        let mut m = Self::default();
+        m.registry
+            .register_collector(Box::new(NodeCollector { tiers }));
+        m
     }
 }
 

@@ -180,6 +180,7 @@ pub fn to_call(model: &str, req: &GenerateRequest, deadline: Duration) -> Genera
         request_id: req.request_id.clone(),
         deadline_ms: deadline.as_millis() as u64,
         trace: inject_context(),
+        cache_scope: req.cache_scope.clone(),
     }
 }
 
@@ -198,6 +199,7 @@ fn from_call(c: GenerateCall) -> GenerateRequest {
         grammar_trigger: c.grammar_trigger,
         ignore_eos: c.ignore_eos,
         request_id: c.request_id,
+        cache_scope: c.cache_scope,
     }
 }
 

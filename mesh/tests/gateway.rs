@@ -323,3 +323,106 @@ async fn overload_gets_429_and_disconnect_frees_the_sequence() {
         .unwrap();
     assert!(cancelled.ends_with(" 1"), "{cancelled}");
 }
+
+fn metric(text: &str, name: &str) -> f64 {
+    text.lines()
+        .filter(|l| l.starts_with(name) && !l.starts_with('#'))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn agents_with_the_same_tools_share_prefix_pages() {
+    let (base, _stop) = node(8, 4).await;
+    let c = reqwest::Client::new();
+    let ask = |city: &str, tools: Value| {
+        json!({"model": "t1", "max_tokens": 16, "tools": tools,
+               "messages": [{"role": "user", "content": format!("What is the forecast in {city} for 2026-05-01?")}]})
+    };
+    let (s, _, first) = post(
+        &c,
+        format!("{base}/v1/chat/completions"),
+        ask("Oslo", weather_tools()),
+    )
+    .await;
+    assert_eq!(s, 200);
+    let m0 = c
+        .get(format!("{base}/metrics"))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    assert_eq!(metric(&m0, "mesh_kv_prefix_hits_total"), 0.0);
+    assert!(metric(&m0, "mesh_kv_pages_published_total") > 0.0, "{m0}");
+    // Same tools, another question: the shared prefix (tool schemas) is restored.
+    let (s, _, _) = post(
+        &c,
+        format!("{base}/v1/chat/completions"),
+        ask("Lima", weather_tools()),
+    )
+    .await;
+    assert_eq!(s, 200);
+    let m1 = c
+        .get(format!("{base}/metrics"))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    assert_eq!(metric(&m1, "mesh_kv_prefix_hits_total"), 1.0, "{m1}");
+    assert!(metric(&m1, "mesh_kv_recompute_avoided_tokens_total") >= 32.0);
+    // The same request again gives the same answer from restored pages.
+    let (_, _, again) = post(
+        &c,
+        format!("{base}/v1/chat/completions"),
+        ask("Oslo", weather_tools()),
+    )
+    .await;
+    assert_eq!(
+        again["choices"][0]["message"]["tool_calls"][0]["function"],
+        first["choices"][0]["message"]["tool_calls"][0]["function"]
+    );
+    assert_eq!(
+        again["choices"][0]["message"]["content"],
+        first["choices"][0]["message"]["content"]
+    );
+    // Another tool set (a subset of the same schemas) is another scope: no reuse across scopes.
+    let hits_before = metric(
+        &c.get(format!("{base}/metrics"))
+            .send()
+            .await
+            .unwrap()
+            .text()
+            .await
+            .unwrap(),
+        "mesh_kv_prefix_hits_total",
+    );
+    let fewer = json!([weather_tools()[0].clone(), weather_tools()[1].clone()]);
+    let (s, _, _) = post(
+        &c,
+        format!("{base}/v1/chat/completions"),
+        ask("Oslo", fewer),
+    )
+    .await;
+    assert_eq!(s, 200);
+    let m2 = c
+        .get(format!("{base}/metrics"))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    assert_eq!(
+        metric(&m2, "mesh_kv_prefix_hits_total"),
+        hits_before,
+        "pages crossed a tool-access scope"
+    );
+    assert!(
+        m2.contains("mesh_kv_page_bytes{model=\"t1\",tier=\"ram\"}"),
+        "{m2}"
+    );
+}

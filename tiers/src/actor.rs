@@ -41,6 +41,8 @@ pub struct TierDescription {
     pub info: ModelInfo,
     /// Live counters of the engine.
     pub stats: Arc<EngineStats>,
+    /// Prefix-page store and counters, when paging is on.
+    pub pages: Option<crate::PageHandles>,
 }
 
 /// A supervised actor owning one engine.
@@ -81,6 +83,7 @@ impl Actor for TierActor {
                 let _ = reply.send(TierDescription {
                     info: engine.info().clone(),
                     stats: engine.stats().clone(),
+                    pages: engine.pages().cloned(),
                 });
             }
             TierMsg::Tokenize { text, reply } => {

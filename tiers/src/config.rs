@@ -48,6 +48,34 @@ pub struct EngineConfig {
     /// allow long and short sequences to mix, but every decode then attends over the cells of
     /// all sequences, which costs several times more at high concurrency.
     pub kv_unified: bool,
+    /// Prefix KV pages: reuse the KV of prompt prefixes seen before.
+    pub kv_pages: KvPagesConfig,
+}
+
+/// Prefix KV pages of one tier (see `mesh-kvstore`).
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(default, deny_unknown_fields)]
+pub struct KvPagesConfig {
+    /// Tokens per page; 0 turns paging off. Smaller pages match more of a shared prefix
+    /// and cost more hashing and per-page overhead (120-byte header each).
+    pub block: usize,
+    /// RAM budget of the page store in bytes (t1 pages are ~1 KiB per token).
+    pub ram_bytes: u64,
+    /// Folder of the disk tier (pages survive restarts); none = RAM only.
+    pub disk_dir: Option<PathBuf>,
+    /// Disk budget in bytes; 0 turns the disk tier off.
+    pub disk_bytes: u64,
+}
+
+impl Default for KvPagesConfig {
+    fn default() -> Self {
+        Self {
+            block: 32,
+            ram_bytes: 256 << 20,
+            disk_dir: None,
+            disk_bytes: 4 << 30,
+        }
+    }
 }
 
 impl Default for EngineConfig {
@@ -64,6 +92,7 @@ impl Default for EngineConfig {
             max_queue: 64,
             kv_type: KvType::F16,
             kv_unified: false,
+            kv_pages: KvPagesConfig::default(),
         }
     }
 }
@@ -86,6 +115,11 @@ impl EngineConfig {
         }
         if self.n_ctx < 64 {
             return bad("n_ctx must be at least 64");
+        }
+        if self.kv_pages.block > 0
+            && self.kv_pages.block > self.n_ctx as usize / self.n_seq_max as usize
+        {
+            return bad("kv_pages.block must not exceed one sequence's context");
         }
         if self.threads < 1 {
             return bad("threads must be at least 1");

@@ -18,9 +18,21 @@ use llama_cpp_2::token::LlamaToken;
 use tokio::sync::mpsc;
 use tracing::{debug, warn};
 
+use crate::kvcache::{KvCache, PromptPages, ReuseStats};
 use crate::plan::{self, SlotView, Work};
 use crate::stop::StopMatcher;
 use crate::{EngineConfig, FinishReason, GenerateRequest, KvType, TierError, TokenEvent, Usage};
+
+/// Prefix-page handles of an engine (metrics, tests).
+#[derive(Debug, Clone)]
+pub struct PageHandles {
+    /// The page store.
+    pub store: Arc<mesh_kvstore::PageStore>,
+    /// Reuse counters.
+    pub reuse: Arc<ReuseStats>,
+    /// Tokens per page.
+    pub block: usize,
+}
 
 /// The process-wide llama.cpp backend (initialised on first use, logs silenced unless
 /// `MESH_LLAMA_LOGS=1`).
@@ -96,6 +108,7 @@ pub struct Engine {
     stats: Arc<EngineStats>,
     tx: std_mpsc::Sender<Command>,
     thread: Option<JoinHandle<()>>,
+    pages: Option<PageHandles>,
 }
 
 impl Engine {
@@ -143,20 +156,27 @@ impl Engine {
             std::thread::Builder::new()
                 .name(format!("engine-{}", cfg.name))
                 .spawn(move || {
-                    let ctx = match new_context(&model, &cfg) {
+                    let mut ctx = match new_context(&model, &cfg) {
                         Ok(c) => c,
                         Err(e) => {
                             let _ = ready_tx.send(Err(e));
                             return;
                         }
                     };
-                    let _ = ready_tx.send(Ok(()));
-                    Loop::new(&model, ctx, &cfg, &info, stats).run(rx);
+                    let kv = start_pages(&model, &mut ctx, &cfg);
+                    let handles = kv.as_ref().map(|k| PageHandles {
+                        store: k.store().clone(),
+                        reuse: k.stats().clone(),
+                        block: k.block(),
+                    });
+                    let _ = ready_tx.send(Ok(handles));
+                    Loop::new(&model, ctx, &cfg, &info, stats, kv).run(rx);
                 })
                 .map_err(|e| TierError::Context(e.to_string()))?
         };
-        ready_rx.recv().map_err(|_| TierError::EngineStopped)??;
+        let pages = ready_rx.recv().map_err(|_| TierError::EngineStopped)??;
         Ok(Self {
+            pages,
             cfg,
             model,
             info,
@@ -164,6 +184,11 @@ impl Engine {
             tx,
             thread: Some(thread),
         })
+    }
+
+    /// Prefix-page store and counters, when paging is on.
+    pub fn pages(&self) -> Option<&PageHandles> {
+        self.pages.as_ref()
     }
 
     /// Queues a request; tokens arrive on the returned receiver. Dropping the receiver cancels
@@ -294,7 +319,39 @@ fn new_context<'m>(
         .map_err(|e| TierError::Context(e.to_string()))
 }
 
+/// Learns the KV layout (one probe token in sequence 0, then cleared) and opens the page
+/// store. Paging is switched off, with a warning, if any of it fails.
+fn start_pages(
+    model: &LlamaModel,
+    ctx: &mut LlamaContext<'_>,
+    cfg: &EngineConfig,
+) -> Option<KvCache> {
+    if cfg.kv_pages.block == 0 {
+        return None;
+    }
+    let mut batch = LlamaBatch::new(1, 1);
+    let tok = model.vocab().bos();
+    let layout = batch
+        .add(tok, 0, &[0], true)
+        .ok()
+        .and_then(|_| ctx.decode(&mut batch).ok())
+        .and_then(|_| KvCache::probe_layout(ctx, 0));
+    let _ = ctx.clear_kv_cache_seq(Some(0), None, None);
+    let Some(layout) = layout else {
+        warn!(tier = %cfg.name, "could not read the KV layout; prefix pages off");
+        return None;
+    };
+    match KvCache::new(&cfg.kv_pages, &cfg.model, layout) {
+        Ok(k) => Some(k),
+        Err(e) => {
+            warn!(tier = %cfg.name, error = %e, "prefix pages off");
+            None
+        }
+    }
+}
+
 struct Slot {
+    pages: PromptPages,
     req: GenerateRequest,
     events: mpsc::UnboundedSender<TokenEvent>,
     sampler: LlamaSampler,
@@ -319,6 +376,7 @@ struct Loop<'m> {
     reserved: usize,
     next_age: u64,
     batch: LlamaBatch<'static>,
+    kv: Option<KvCache>,
 }
 
 impl<'m> Loop<'m> {
@@ -328,6 +386,7 @@ impl<'m> Loop<'m> {
         cfg: &EngineConfig,
         info: &ModelInfo,
         stats: Arc<EngineStats>,
+        kv: Option<KvCache>,
     ) -> Self {
         Self {
             model,
@@ -341,6 +400,7 @@ impl<'m> Loop<'m> {
             reserved: 0,
             next_age: 0,
             batch: LlamaBatch::new(cfg.n_batch as usize, 1),
+            kv,
         }
     }
 
@@ -421,14 +481,24 @@ impl<'m> Loop<'m> {
                 .fetch_add(p.reserve, Ordering::Relaxed);
             self.stats.active.fetch_add(1, Ordering::Relaxed);
             let stop = StopMatcher::new(&p.req.stop);
+            let (pages, prefilled) = match &mut self.kv {
+                Some(kv) => {
+                    let plan =
+                        kv.restore(&mut self.ctx, seq as i32, &p.req.prompt, &p.req.cache_scope);
+                    let n = plan.restored * kv.block();
+                    (plan, n)
+                }
+                None => (PromptPages::default(), 0),
+            };
             self.slots[seq] = Some(Slot {
+                pages,
                 req: p.req,
                 events: p.events,
                 sampler,
                 stop,
                 age: self.next_age,
                 reserve: p.reserve,
-                prefilled: 0,
+                prefilled,
                 pending: None,
                 generated: 0,
                 utf8: Vec::new(),
@@ -515,6 +585,7 @@ impl<'m> Loop<'m> {
         }
         self.batch.clear();
         let mut rows: Vec<(usize, i32)> = Vec::new();
+        let mut prompt_done: Vec<usize> = Vec::new();
         let mut prompt_tokens = 0u64;
         for w in &work {
             match *w {
@@ -552,6 +623,9 @@ impl<'m> Loop<'m> {
                     }
                     s.prefilled += len;
                     prompt_tokens += len as u64;
+                    if last {
+                        prompt_done.push(slot);
+                    }
                 }
             }
         }
@@ -576,6 +650,13 @@ impl<'m> Loop<'m> {
                 }
             }
             return;
+        }
+        if let Some(kv) = &self.kv {
+            for slot in prompt_done {
+                if let Some(s) = &self.slots[slot] {
+                    kv.publish(&self.ctx, slot as i32, &s.pages);
+                }
+            }
         }
         for (slot, row) in rows {
             self.sample(slot, row);

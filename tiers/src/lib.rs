@@ -31,11 +31,12 @@ mod config;
 mod engine;
 mod error;
 pub mod grammar;
+pub mod kvcache;
 pub mod plan;
 mod request;
 pub mod stop;
 
-pub use config::{EngineConfig, KvType};
-pub use engine::{backend, Engine, EngineStats, ModelInfo};
+pub use config::{EngineConfig, KvPagesConfig, KvType};
+pub use engine::{backend, Engine, EngineStats, ModelInfo, PageHandles};
 pub use error::TierError;
 pub use request::{FinishReason, GenerateRequest, SamplingParams, TokenEvent, Usage};

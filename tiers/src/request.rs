@@ -44,6 +44,9 @@ pub struct GenerateRequest {
     pub ignore_eos: bool,
     /// Trace/log label for this request.
     pub request_id: String,
+    /// Who may reuse this request's prefix KV pages: pages are shared only between
+    /// requests with the same scope (the gateway uses the offered tool set).
+    pub cache_scope: String,
 }
 
 /// Why a generation ended.

@@ -1,0 +1,228 @@
+//! Prefix KV reuse for one engine: find the longest stored prefix of a prompt,
+//! restore it into a sequence, and publish the full blocks of a prompt once it
+//! is prefilled.
+//!
+//! ```text
+//! admit:   prompt ─▶ chain(salt, prompt[..len-1], B) ─▶ store.longest_prefix ─▶ assemble ─▶ state_seq_set
+//!          (≥ 1 prompt token is always prefilled, for the logits of the first output token)
+//! publish: after the last prompt chunk: state_seq_get ─▶ parse ─▶ page i for each new full block ─▶ store.put
+//! ```
+//! A restore that llama.cpp rejects clears the sequence and the prompt is prefilled from
+//! scratch; pages whose checksum fails are refused by the store (recomputed, never used).
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+use std::sync::Arc;
+
+use llama_cpp_2::context::session::LlamaStateSeqFlags;
+use llama_cpp_2::context::LlamaContext;
+use mesh_kvstore::{
+    chain, codec, Layout, ModelFingerprint, PageId, PageMeta, PageStore, Salt, StoreConfig,
+};
+use tracing::{debug, warn};
+
+use crate::KvPagesConfig;
+
+/// Counters of prefix reuse (per engine).
+#[derive(Debug, Default)]
+pub struct ReuseStats {
+    /// Requests that looked for a cached prefix.
+    pub lookups: AtomicU64,
+    /// Requests that restored at least one page.
+    pub hits: AtomicU64,
+    /// Prompt tokens restored instead of prefilled.
+    pub tokens_reused: AtomicU64,
+    /// Restores llama.cpp refused (prompt recomputed).
+    pub restore_failures: AtomicU64,
+    /// Pages published.
+    pub published: AtomicU64,
+}
+
+/// Paging state of one engine.
+pub struct KvCache {
+    block: usize,
+    layout: Layout,
+    model: ModelFingerprint,
+    salts: HashMap<String, Salt>,
+    store: Arc<PageStore>,
+    stats: Arc<ReuseStats>,
+}
+
+impl std::fmt::Debug for KvCache {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("KvCache")
+            .field("block", &self.block)
+            .finish()
+    }
+}
+
+fn seq_state(ctx: &LlamaContext<'_>, seq: i32) -> Vec<u8> {
+    let flags = LlamaStateSeqFlags::empty();
+    let size = ctx.state_seq_get_size_ext(seq, flags);
+    let mut buf = vec![0u8; size];
+    // SAFETY: `buf` has exactly the size llama.cpp reported for this sequence.
+    let n = unsafe { ctx.state_seq_get_data_ext(buf.as_mut_ptr(), seq, flags) };
+    buf.truncate(n);
+    buf
+}
+
+/// What a request's prompt maps to in the page space.
+#[derive(Debug, Default)]
+pub struct PromptPages {
+    /// Ids of every full block of the prompt.
+    pub ids: Vec<PageId>,
+    /// Leading pages that were restored (already stored).
+    pub restored: usize,
+    salt: Option<Salt>,
+}
+
+impl KvCache {
+    /// Sets up paging for a context: learns the KV layout by decoding one token into
+    /// `probe_seq` (then clears it) and opens the store.
+    pub fn new(
+        cfg: &KvPagesConfig,
+        model_path: &std::path::Path,
+        layout: Layout,
+    ) -> std::io::Result<Self> {
+        let model = ModelFingerprint::of_file(model_path)?;
+        let store = Arc::new(PageStore::open(StoreConfig {
+            ram_bytes: cfg.ram_bytes,
+            disk_dir: cfg.disk_dir.clone(),
+            disk_bytes: cfg.disk_bytes,
+        }));
+        Ok(Self {
+            block: cfg.block,
+            layout,
+            model,
+            salts: HashMap::new(),
+            store,
+            stats: Arc::new(ReuseStats::default()),
+        })
+    }
+
+    /// Reads the layout of a sequence holding at least one token.
+    pub fn probe_layout(ctx: &LlamaContext<'_>, seq: i32) -> Option<Layout> {
+        codec::parse(&seq_state(ctx, seq)).ok().map(|kv| kv.layout)
+    }
+
+    /// The store (metrics, tests).
+    pub fn store(&self) -> &Arc<PageStore> {
+        &self.store
+    }
+
+    /// Reuse counters.
+    pub fn stats(&self) -> &Arc<ReuseStats> {
+        &self.stats
+    }
+
+    fn salt(&mut self, scope: &str) -> Salt {
+        if let Some(s) = self.salts.get(scope) {
+            return *s;
+        }
+        let s = Salt::new(&self.model, &self.layout.descriptor(), scope);
+        if self.salts.len() > 4096 {
+            self.salts.clear();
+        }
+        self.salts.insert(scope.to_owned(), s);
+        s
+    }
+
+    /// Restores the longest stored prefix of `prompt` into `seq`; returns the page plan
+    /// (how many tokens are already in the sequence = `restored * block`).
+    pub fn restore(
+        &mut self,
+        ctx: &mut LlamaContext<'_>,
+        seq: i32,
+        prompt: &[i32],
+        scope: &str,
+    ) -> PromptPages {
+        let salt = self.salt(scope);
+        let ids = chain(&salt, prompt, self.block);
+        self.stats.lookups.fetch_add(1, Relaxed);
+        // Leave at least one prompt token to prefill: its logits give the first output token.
+        let usable = (prompt.len().saturating_sub(1)) / self.block;
+        let pages = self
+            .store
+            .longest_prefix(&ids[..usable.min(ids.len())], &salt);
+        let mut plan = PromptPages {
+            ids,
+            restored: 0,
+            salt: Some(salt),
+        };
+        if pages.is_empty() {
+            return plan;
+        }
+        let refs: Vec<&[u8]> = pages.iter().map(|p| p.as_ref()).collect();
+        let blob = match codec::assemble(&self.layout, &refs, self.block, self.layout.n_stream) {
+            Ok(b) => b,
+            Err(e) => {
+                warn!(error = %e, "assembling cached pages failed; recomputing the prefix");
+                return plan;
+            }
+        };
+        // SAFETY: `seq` < n_seq_max (it is a slot index) and the blob was built for this
+        // context's layout; llama.cpp validates the rest and returns failure on mismatch.
+        let ok = unsafe { ctx.state_seq_set_data_ext(&blob, seq, LlamaStateSeqFlags::empty()) };
+        if ok {
+            plan.restored = pages.len();
+            self.stats.hits.fetch_add(1, Relaxed);
+            self.stats
+                .tokens_reused
+                .fetch_add((pages.len() * self.block) as u64, Relaxed);
+            debug!(
+                seq,
+                pages = pages.len(),
+                tokens = pages.len() * self.block,
+                "restored cached prefix"
+            );
+        } else {
+            self.stats.restore_failures.fetch_add(1, Relaxed);
+            warn!(
+                seq,
+                pages = pages.len(),
+                "llama.cpp refused a cached prefix; recomputing"
+            );
+            let _ = ctx.clear_kv_cache_seq(Some(seq as u32), None, None);
+        }
+        plan
+    }
+
+    /// Publishes the prompt's full blocks not stored yet (call once the prompt is prefilled).
+    /// Blocks another sequence already stored are counted as deduplicated.
+    pub fn publish(&self, ctx: &LlamaContext<'_>, seq: i32, plan: &PromptPages) {
+        let Some(salt) = plan.salt else { return };
+        let page_bytes = self.layout.page_bytes(self.block);
+        let mut kv = None;
+        for i in plan.restored..plan.ids.len() {
+            let meta = PageMeta {
+                id: plan.ids[i],
+                salt,
+                block: self.block as u32,
+                index: i as u32,
+            };
+            if self.store.contains(&meta.id) {
+                self.store.note_dedup(page_bytes);
+                continue;
+            }
+            if kv.is_none() {
+                match codec::parse(&seq_state(ctx, seq)) {
+                    Ok(parsed) => kv = Some(parsed),
+                    Err(e) => {
+                        debug!(seq, error = %e, "sequence state not pageable; nothing published");
+                        return;
+                    }
+                }
+            }
+            if let Some(payload) = kv.as_ref().and_then(|kv| kv.page(i, self.block)) {
+                if self.store.put(&meta, &payload) {
+                    self.stats.published.fetch_add(1, Relaxed);
+                }
+            }
+        }
+    }
+
+    /// Tokens per page.
+    pub fn block(&self) -> usize {
+        self.block
+    }
+}

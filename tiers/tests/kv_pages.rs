@@ -1,0 +1,220 @@
+//! Prefix KV pages on the bundled t1: a restored prefix continues exactly like a
+//! fresh prefill (greedy), identical prefixes are stored once, corrupt pages are
+//! refused, pages on disk survive a restart, an unwritable disk degrades to RAM.
+
+use std::sync::atomic::Ordering::Relaxed;
+use std::time::Duration;
+
+use mesh_tiers::chat::{self, ChatMessage, Role, ToolSpec};
+use mesh_tiers::{Engine, EngineConfig, GenerateRequest, KvPagesConfig, TokenEvent};
+
+fn model() -> std::path::PathBuf {
+    std::path::PathBuf::from(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../models/t1-q8_0.gguf"
+    ))
+}
+
+fn engine(block: usize, disk: Option<std::path::PathBuf>, n_seq_max: u32) -> Engine {
+    Engine::start(EngineConfig {
+        name: "t1".into(),
+        model: model(),
+        n_ctx: 4096 * n_seq_max,
+        n_seq_max,
+        n_batch: 1024,
+        prefill_chunk: 512,
+        threads: 2,
+        kv_pages: KvPagesConfig {
+            block,
+            ram_bytes: 64 << 20,
+            disk_bytes: if disk.is_some() { 64 << 20 } else { 0 },
+            disk_dir: disk,
+        },
+        ..EngineConfig::default()
+    })
+    .expect("engine starts")
+}
+
+/// Agent prompts sharing a system prompt and tool schemas (~400 tokens), with distinct questions.
+fn prompts(e: &Engine) -> Vec<Vec<i32>> {
+    let catalog: Vec<serde_json::Value> = std::fs::read_to_string(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../models/fixtures/catalog.jsonl"
+    ))
+    .unwrap()
+    .lines()
+    .map(|l| serde_json::from_str(l).unwrap())
+    .collect();
+    let tools: Vec<ToolSpec> = catalog
+        .iter()
+        .filter(|t| t["domain"] == "weather")
+        .take(6)
+        .map(|t| ToolSpec {
+            name: t["name"].as_str().unwrap().into(),
+            description: t["description"].as_str().unwrap().into(),
+            parameters: t["parameters"].clone(),
+        })
+        .collect();
+    [
+        "Oslo",
+        "Lima",
+        "Tokyo on 2026-04-02",
+        "Cairo in Fahrenheit",
+        "Quito",
+        "Perth",
+    ]
+    .iter()
+    .map(|c| {
+        let msgs = [
+            ChatMessage::text(
+                Role::System,
+                "You are a careful assistant for a travel desk. Use the tools when they fit.",
+            ),
+            ChatMessage::text(Role::User, format!("What is the weather forecast for {c}?")),
+        ];
+        e.tokenize(&chat::render_prompt(&msgs, &tools))
+    })
+    .collect()
+}
+
+async fn run(e: &Engine, prompt: &[i32]) -> Vec<i32> {
+    let mut rx = e
+        .submit(GenerateRequest {
+            prompt: prompt.to_vec(),
+            max_tokens: 48,
+            ignore_eos: true,
+            ..Default::default()
+        })
+        .unwrap();
+    let mut out = vec![];
+    while let Some(ev) = tokio::time::timeout(Duration::from_secs(120), rx.recv())
+        .await
+        .expect("no stall")
+    {
+        match ev {
+            TokenEvent::Token { id, .. } => out.push(id),
+            TokenEvent::Done { .. } => break,
+            TokenEvent::Error(e) => panic!("{e}"),
+            TokenEvent::Started { .. } => {}
+        }
+    }
+    out
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn restored_prefixes_continue_exactly() {
+    let fresh = engine(0, None, 4);
+    assert!(fresh.pages().is_none());
+    let ps = prompts(&fresh);
+    assert!(ps[0].len() > 200, "prompt of {} tokens", ps[0].len());
+    let mut want = vec![];
+    for p in &ps {
+        want.push(run(&fresh, p).await);
+    }
+    drop(fresh);
+
+    for block in [16, 64] {
+        let e = engine(block, None, 4);
+        let pages = e.pages().expect("paging on").clone();
+        // First prompt: nothing cached; then the same prompt again: all but the tail restored.
+        assert_eq!(run(&e, &ps[0]).await, want[0], "block {block}: cold");
+        assert_eq!(
+            run(&e, &ps[0]).await,
+            want[0],
+            "block {block}: full-prefix restore"
+        );
+        let reused_one = pages.reuse.tokens_reused.load(Relaxed) as usize;
+        assert_eq!(reused_one, (ps[0].len() - 1) / block * block);
+        // The rest concurrently, each restoring the shared prefix while others run in the batch.
+        let futs: Vec<_> = ps[1..].iter().map(|p| run(&e, p)).collect();
+        let got = futures::future::join_all(futs).await;
+        for (i, g) in got.iter().enumerate() {
+            assert_eq!(
+                g,
+                &want[i + 1],
+                "block {block}: prompt {} after restore",
+                i + 1
+            );
+        }
+        let r = &pages.reuse;
+        assert!(
+            r.hits.load(Relaxed) >= ps.len() as u64 - 1,
+            "hits {}",
+            r.hits.load(Relaxed)
+        );
+        assert_eq!(r.restore_failures.load(Relaxed), 0);
+        // The shared prefix is stored once: later prompts deduplicated what they shared.
+        let st = pages.store.stats();
+        assert!(
+            st.dedup_pages.load(Relaxed) > 0 || r.tokens_reused.load(Relaxed) > reused_one as u64
+        );
+        // Pages are chained: one page per distinct block-aligned prefix, however many
+        // prompts share it.
+        let distinct_prefixes: usize = {
+            let mut ids = std::collections::HashSet::new();
+            for p in &ps {
+                for k in 1..=p.len() / block {
+                    ids.insert(p[..k * block].to_vec());
+                }
+            }
+            ids.len()
+        };
+        let total_blocks: usize = ps.iter().map(|p| p.len() / block).sum();
+        assert_eq!(st.pages_ram.load(Relaxed) as usize, distinct_prefixes);
+        assert!(distinct_prefixes < total_blocks, "prompts share a prefix");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn disk_pages_survive_restart_and_corruption_is_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let disk = dir.path().join("pages");
+    let e = engine(32, Some(disk.clone()), 2);
+    let ps = prompts(&e);
+    let want0 = run(&e, &ps[0]).await;
+    let want1 = run(&e, &ps[1]).await;
+    let published = e.pages().unwrap().reuse.published.load(Relaxed);
+    assert!(published > 0);
+    drop(e); // flushes the disk writer
+    let files: Vec<_> = std::fs::read_dir(&disk)
+        .unwrap()
+        .flatten()
+        .map(|f| f.path())
+        .collect();
+    assert_eq!(files.len() as u64, published);
+
+    // Restart: prompt 1's prefix comes from disk, tokens unchanged.
+    let e = engine(32, Some(disk.clone()), 2);
+    assert_eq!(run(&e, &ps[1]).await, want1);
+    let p = e.pages().unwrap();
+    assert!(
+        p.store.stats().hits_disk.load(Relaxed) > 0,
+        "restart reused disk pages"
+    );
+    assert!(p.reuse.tokens_reused.load(Relaxed) > 0);
+    drop(e);
+
+    // Damage every page on disk: all refused, prefix recomputed, output unchanged.
+    for f in std::fs::read_dir(&disk).unwrap().flatten() {
+        let mut b = std::fs::read(f.path()).unwrap();
+        let n = b.len();
+        b[n / 2] ^= 0x5A;
+        std::fs::write(f.path(), b).unwrap();
+    }
+    let e = engine(32, Some(disk.clone()), 2);
+    assert_eq!(run(&e, &ps[0]).await, want0);
+    let p = e.pages().unwrap();
+    assert!(p.store.stats().corrupt.load(Relaxed) >= 1);
+    assert_eq!(p.reuse.hits.load(Relaxed), 0, "no corrupt page restored");
+    drop(e);
+
+    // A disk folder that cannot be created: RAM only, still serving and reusing.
+    let blocker = dir.path().join("file");
+    std::fs::write(&blocker, b"x").unwrap();
+    let e = engine(32, Some(blocker.join("pages")), 2);
+    assert_eq!(run(&e, &ps[0]).await, want0);
+    assert_eq!(run(&e, &ps[0]).await, want0);
+    let p = e.pages().unwrap();
+    assert_eq!(p.store.stats().disk_degraded.load(Relaxed), 1);
+    assert!(p.reuse.hits.load(Relaxed) >= 1);
+}
