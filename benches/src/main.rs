@@ -16,6 +16,7 @@
 mod decode;
 mod gguf;
 mod machine;
+mod prefix;
 mod report;
 mod server;
 mod stats;
@@ -40,6 +41,9 @@ enum Command {
     /// Mesh transport (QUIC + mTLS + rkyv frames) vs plain TCP: round trip and bulk; and the
     /// gateway's forwarding overhead vs serving locally.
     Transport(transport::TransportArgs),
+    /// Agents sharing a long prompt prefix: throughput and TTFT, mesh (prefix KV pages) vs
+    /// llama-server (prompt cache).
+    Prefix(prefix::PrefixArgs),
 }
 
 #[tokio::main(flavor = "current_thread")]
@@ -48,5 +52,6 @@ async fn main() -> anyhow::Result<()> {
     match cli.command {
         Command::Decode(args) => decode::run(args).await,
         Command::Transport(args) => transport::run(args).await,
+        Command::Prefix(args) => prefix::run(args).await,
     }
 }

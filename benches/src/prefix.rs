@@ -1,0 +1,319 @@
+//! `mesh-bench prefix`: many agents sharing a long prompt prefix (system prompt + tool
+//! schemas), each asking distinct questions. mesh (prefix KV pages) and llama-server (its
+//! per-slot prompt cache, `--cache-prompt`) run side by side on the same GGUF with the same
+//! slots, threads and context.
+//!
+//! One repetition = `agents` concurrent agents × `turns` requests each (streamed
+//! `/v1/completions`, `max_tokens` with EOS ignored). Every repetition uses a new shared
+//! prefix (another slice of the catalog), so neither server starts it with a warm cache. The
+//! targets alternate A B A B. Reported per target: agent-task throughput (requests/s), TTFT
+//! p50/p95, and for mesh the page-store bytes against one copy of the shared prefix plus
+//! the agents' distinct tails.
+
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context, Result};
+use serde_json::{json, Value};
+
+use crate::server::{free_port, Server};
+use crate::stats::Percentiles;
+use crate::workload::{self, RequestSpec};
+
+/// Options of `mesh-bench prefix`.
+#[derive(clap::Args, Debug)]
+pub(crate) struct PrefixArgs {
+    /// GGUF model both servers load.
+    #[arg(long, default_value = "models/t1-q8_0.gguf")]
+    model: PathBuf,
+    /// Tier name (llama-server alias).
+    #[arg(long, default_value = "t1")]
+    tier: String,
+    /// Threads for both servers.
+    #[arg(long, default_value_t = 1)]
+    threads: u32,
+    /// Slots (sequences decoded together) of both servers.
+    #[arg(long, default_value_t = 8)]
+    parallel: u32,
+    /// Context per slot.
+    #[arg(long, default_value_t = 2048)]
+    ctx: u32,
+    /// Concurrent agents.
+    #[arg(long, default_value_t = 16)]
+    agents: usize,
+    /// Requests per agent per repetition.
+    #[arg(long, default_value_t = 2)]
+    turns: usize,
+    /// Tool schemas in the shared prefix (about 100 tokens each for t1).
+    #[arg(long, default_value_t = 12)]
+    prefix_tools: usize,
+    /// Tokens generated per request.
+    #[arg(long, default_value_t = 16)]
+    max_tokens: usize,
+    /// Measured repetitions per target.
+    #[arg(long, default_value_t = 2)]
+    reps: usize,
+    /// Tool catalog.
+    #[arg(long, default_value = "models/fixtures/catalog.jsonl")]
+    catalog: PathBuf,
+    /// mesh binary.
+    #[arg(long, default_value = "target/release/mesh")]
+    mesh_bin: PathBuf,
+    /// llama-server binary (`scripts/build-llama-server.sh`).
+    #[arg(long, default_value = ".cache/llama-server/bin/llama-server")]
+    llama_server: PathBuf,
+    /// JSON report (markdown next to it, `.md`; server logs `.mesh.log`, `.llama-server.log`).
+    #[arg(long, default_value = "bench-results/prefix.json")]
+    out: PathBuf,
+}
+
+const CITIES: &[&str] = &[
+    "Lisbon", "Osaka", "Nairobi", "Toronto", "Oslo", "Lima", "Hanoi", "Perth", "Dublin", "Quito",
+    "Seville", "Tbilisi", "Halifax", "Accra", "Kraków", "Bergen",
+];
+
+fn shared_prefix(catalog: &[Value], rep: usize, n: usize) -> String {
+    let start = (rep * 37) % catalog.len();
+    let mut out = String::from("<|system|>You are a helpful agent. Call a tool when one fits the request, otherwise answer directly.\n<tools>\n");
+    for j in 0..n {
+        if j > 0 {
+            out.push('\n');
+        }
+        out.push_str(&serde_json::to_string(&catalog[(start + j) % catalog.len()]).expect("json"));
+    }
+    out.push_str("\n</tools><|end|>");
+    out
+}
+
+fn question(agent: usize, turn: usize) -> String {
+    format!(
+        "<|user|>Agent {agent} asks: what is the weather in {} on day {} of the trip?<|end|><|assistant|>",
+        CITIES[agent % CITIES.len()],
+        turn + 1
+    )
+}
+
+struct RepResult {
+    wall_s: f64,
+    ttft: Vec<f64>,
+    prompt_tokens: Vec<usize>,
+}
+
+async fn run_rep(
+    client: &reqwest::Client,
+    base: &str,
+    a: &PrefixArgs,
+    prefix: &str,
+) -> Result<RepResult> {
+    let spec = RequestSpec {
+        model: &a.tier,
+        max_tokens: a.max_tokens,
+    };
+    let t0 = Instant::now();
+    let agents = (0..a.agents).map(|agent| {
+        let spec = &spec;
+        async move {
+            let mut out = vec![];
+            for turn in 0..a.turns {
+                let p = format!("{prefix}{}", question(agent, turn));
+                let r = workload::one_request(client, base, spec, &p).await?;
+                let ttft = r.times.first().copied().unwrap_or(r.e2e_s);
+                out.push((ttft, r.prompt_tokens.unwrap_or(0)));
+            }
+            anyhow::Ok(out)
+        }
+    });
+    let all = futures::future::try_join_all(agents).await?;
+    let wall_s = t0.elapsed().as_secs_f64();
+    let flat: Vec<(f64, usize)> = all.into_iter().flatten().collect();
+    Ok(RepResult {
+        wall_s,
+        ttft: flat.iter().map(|x| x.0).collect(),
+        prompt_tokens: flat.iter().map(|x| x.1).collect(),
+    })
+}
+
+async fn scrape(client: &reqwest::Client, base: &str, name: &str) -> f64 {
+    let Ok(r) = client.get(format!("{base}/metrics")).send().await else {
+        return 0.0;
+    };
+    let text = r.text().await.unwrap_or_default();
+    text.lines()
+        .filter(|l| l.starts_with(name) && !l.starts_with('#'))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum()
+}
+
+pub(crate) async fn run(a: PrefixArgs) -> Result<()> {
+    for (p, hint) in [
+        (&a.model, "GGUF"),
+        (&a.catalog, "catalog"),
+        (&a.mesh_bin, "cargo build --release -p mesh"),
+        (&a.llama_server, "scripts/build-llama-server.sh"),
+    ] {
+        if !p.exists() {
+            bail!("{} not found ({hint})", p.display());
+        }
+    }
+    if a.agents == 0 || a.turns == 0 || a.reps == 0 {
+        bail!("--agents, --turns and --reps must be at least 1");
+    }
+    let catalog = workload::load_catalog(&a.catalog)?;
+    if let Some(d) = a.out.parent() {
+        std::fs::create_dir_all(d)?;
+    }
+    let model = a.model.display().to_string();
+    let total_ctx = (a.ctx * a.parallel).to_string();
+    let (threads, parallel) = (a.threads.to_string(), a.parallel.to_string());
+    let mesh_port = free_port()?;
+    let mesh_args: Vec<String> = [
+        "up",
+        "--port",
+        &mesh_port.to_string(),
+        "--tier",
+        &format!("{}={model}", a.tier),
+        "--threads",
+        &threads,
+        "--parallel",
+        &parallel,
+        "--ctx",
+        &total_ctx,
+    ]
+    .map(String::from)
+    .to_vec();
+    let llama_port = free_port()?;
+    let llama_args: Vec<String> = [
+        "-m",
+        &model,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        &llama_port.to_string(),
+        "--alias",
+        &a.tier,
+        "-t",
+        &threads,
+        "-tb",
+        &threads,
+        "-c",
+        &total_ctx,
+        "-np",
+        &parallel,
+        "-b",
+        "512",
+        "-ub",
+        "512",
+        "--cont-batching",
+        "--cache-prompt",
+        "--no-webui",
+        "--metrics",
+        "--no-kv-unified",
+    ]
+    .map(String::from)
+    .to_vec();
+    let log = |s: &str| {
+        a.out.with_file_name(format!(
+            "{}{s}",
+            a.out
+                .file_stem()
+                .map(|x| x.to_string_lossy().into_owned())
+                .unwrap_or_default()
+        ))
+    };
+    let mut servers = vec![
+        Server::spawn("mesh", &a.mesh_bin, mesh_args, mesh_port, log(".mesh.log"))?,
+        Server::spawn(
+            "llama-server",
+            &a.llama_server,
+            llama_args,
+            llama_port,
+            log(".llama-server.log"),
+        )?,
+    ];
+    let client = reqwest::Client::builder()
+        .pool_max_idle_per_host(0)
+        .tcp_nodelay(true)
+        .build()?;
+    for s in servers.iter_mut() {
+        s.wait_healthy(&client, Duration::from_secs(180)).await?;
+    }
+    let bases: Vec<String> = servers.iter().map(|s| s.base_url.clone()).collect();
+    // Warm-up on a prefix no repetition uses.
+    let warm = shared_prefix(&catalog, 1000, a.prefix_tools);
+    for b in &bases {
+        workload::one_request(
+            &client,
+            b,
+            &RequestSpec {
+                model: &a.tier,
+                max_tokens: 4,
+            },
+            &format!("{warm}{}", question(0, 0)),
+        )
+        .await?;
+    }
+    let mut results: [Vec<RepResult>; 2] = [vec![], vec![]];
+    let mut page_bytes = vec![];
+    for rep in 0..a.reps {
+        let prefix = shared_prefix(&catalog, rep, a.prefix_tools);
+        let order = if rep % 2 == 0 { [0, 1] } else { [1, 0] };
+        for t in order {
+            let before = if t == 0 {
+                scrape(&client, &bases[0], "mesh_kv_page_bytes").await
+            } else {
+                0.0
+            };
+            let r = run_rep(&client, &bases[t], &a, &prefix)
+                .await
+                .with_context(|| format!("{} rep {rep}", servers[t].name))?;
+            eprintln!(
+                "rep {rep} {}: {:.2}s, TTFT p50 {:.3}s",
+                servers[t].name,
+                r.wall_s,
+                Percentiles::of(&r.ttft).p50.unwrap_or(0.0)
+            );
+            if t == 0 {
+                page_bytes.push(scrape(&client, &bases[0], "mesh_kv_page_bytes").await - before);
+            }
+            results[t].push(r);
+        }
+    }
+    let reused = scrape(&client, &bases[0], "mesh_kv_recompute_avoided_tokens_total").await;
+    let summarize = |rs: &[RepResult]| {
+        let n: usize = rs.iter().map(|r| r.ttft.len()).sum();
+        let wall: f64 = rs.iter().map(|r| r.wall_s).sum();
+        let ttft: Vec<f64> = rs.iter().flat_map(|r| r.ttft.clone()).collect();
+        (n as f64 / wall, Percentiles::of(&ttft))
+    };
+    let (m_tput, m_ttft) = summarize(&results[0]);
+    let (l_tput, l_ttft) = summarize(&results[1]);
+    let prompt_tokens = results[0]
+        .first()
+        .and_then(|r| r.prompt_tokens.first().copied())
+        .unwrap_or(0);
+    let ratio = |m: Option<f64>, l: Option<f64>| m.zip(l).map(|(m, l)| m / l);
+    for s in servers.drain(..) {
+        let _ = s.stop().await;
+    }
+    let report = json!({
+        "machine": crate::machine::machine(),
+        "settings": {"model": model, "agents": a.agents, "turns": a.turns, "prefix_tools": a.prefix_tools, "max_tokens": a.max_tokens,
+                     "threads": a.threads, "parallel": a.parallel, "ctx": a.ctx, "reps": a.reps, "prompt_tokens": prompt_tokens},
+        "mesh": {"requests_per_s": m_tput, "ttft_s": m_ttft, "page_store_bytes_per_rep": page_bytes, "recompute_avoided_tokens": reused},
+        "llama_server": {"requests_per_s": l_tput, "ttft_s": l_ttft},
+        "ratios": {"throughput": m_tput / l_tput, "ttft_p50": ratio(m_ttft.p50, l_ttft.p50), "ttft_p95": ratio(m_ttft.p95, l_ttft.p95)},
+    });
+    let f = |x: Option<f64>| x.map(|v| format!("{:.3}", v)).unwrap_or_else(|| "-".into());
+    let md = format!(
+        "| {} agents × {} turns, {}-token prompts, {} tokens out | mesh | llama-server | ratio |\n|---|---|---|---|\n\
+| requests/s | {:.2} | {:.2} | {:.2} |\n| TTFT p50 (s) | {} | {} | {} |\n| TTFT p95 (s) | {} | {} | {} |\n",
+        a.agents, a.turns, prompt_tokens, a.max_tokens, m_tput, l_tput, m_tput / l_tput,
+        f(m_ttft.p50), f(l_ttft.p50), f(ratio(m_ttft.p50, l_ttft.p50)),
+        f(m_ttft.p95), f(l_ttft.p95), f(ratio(m_ttft.p95, l_ttft.p95)),
+    );
+    std::fs::write(&a.out, serde_json::to_string_pretty(&report)? + "\n")?;
+    std::fs::write(a.out.with_extension("md"), &md)?;
+    println!("{md}\nmesh page store per repetition: {page_bytes:?} bytes; prompt tokens restored from pages: {reused}");
+    println!("wrote {}", a.out.display());
+    Ok(())
+}
