@@ -89,7 +89,18 @@ pub trait Service: Send + Sync + 'static {
         model: String,
         text: String,
     ) -> BoxFuture<'static, Result<Vec<i32>, RemoteError>>;
+    /// Stored forms of the leading pages of `ids` held by a local tier (stops at the first
+    /// missing one).
+    fn fetch_pages(
+        &self,
+        model: String,
+        salt: Vec<u8>,
+        ids: Vec<Vec<u8>>,
+    ) -> BoxFuture<'static, Vec<(Vec<u8>, Vec<u8>)>>;
 }
+
+/// Largest page frame accepted from a peer (pages of big models are MiB-sized).
+pub const MAX_PAGE_FRAME: usize = 256 << 20;
 
 /// Why a remote call failed.
 #[derive(Debug, Clone, thiserror::Error)]
@@ -499,6 +510,16 @@ impl Cluster {
             Request::Ping { nonce, payload } => {
                 let _ = write_frame(&mut send, &Reply::Pong { nonce, payload }).await;
             }
+            Request::FetchPages { model, salt, ids } => {
+                for (id, stored) in self.inner.service.fetch_pages(model, salt, ids).await {
+                    if write_frame(&mut send, &Reply::Page { id, stored })
+                        .await
+                        .is_err()
+                    {
+                        return;
+                    }
+                }
+            }
             Request::Tokenize { model, text } => {
                 let reply = match self.inner.service.tokenize(model, text).await {
                     Ok(t) => Reply::Tokens(t),
@@ -619,6 +640,69 @@ impl Cluster {
         }
     }
 
+    /// Fetches the leading pages of `ids` that `node` holds for tier `model`, in their stored
+    /// form, on a stream of their own. The caller checks each page against its id and salt.
+    ///
+    /// Cancel safety: cancel-safe.
+    pub async fn fetch_pages(
+        &self,
+        node: &str,
+        model: &str,
+        salt: [u8; 32],
+        ids: Vec<[u8; 32]>,
+    ) -> Result<Vec<([u8; 32], Vec<u8>)>, CallError> {
+        let req = Request::FetchPages {
+            model: model.to_owned(),
+            salt: salt.to_vec(),
+            ids: ids.iter().map(|i| i.to_vec()).collect(),
+        };
+        let (_send, mut recv) = self.open_call(node, &req).await?;
+        let mut out = vec![];
+        loop {
+            let frame = tokio::time::timeout(
+                self.inner.cfg.call_timeout,
+                read_frame::<Reply, _>(&mut recv, MAX_PAGE_FRAME),
+            )
+            .await
+            .map_err(|_| CallError::Timeout(node.to_owned()))?;
+            match frame {
+                Ok(Some(Reply::Page { id, stored })) => {
+                    let id: [u8; 32] = id.try_into().map_err(|_| CallError::Lost {
+                        node: node.to_owned(),
+                        reason: "page id of wrong length".into(),
+                    })?;
+                    out.push((id, stored));
+                }
+                Ok(Some(Reply::Error(e))) => return Err(CallError::Remote(e)),
+                Ok(Some(other)) => return Err(unexpected(node, &other)),
+                Ok(None) => return Ok(out),
+                Err(e) => {
+                    return Err(CallError::Lost {
+                        node: node.to_owned(),
+                        reason: e.to_string(),
+                    })
+                }
+            }
+        }
+    }
+
+    /// Live peers hosting `tier`, with their adverts for it.
+    pub fn tier_adverts(&self, tier: &str) -> Vec<(String, TierAdvert)> {
+        let m = self.inner.members.lock().expect("members");
+        let out = m
+            .alive()
+            .filter(|p| self.inner.conns.contains_key(&p.advert.node))
+            .filter_map(|p| {
+                p.advert
+                    .tiers
+                    .iter()
+                    .find(|t| t.name == tier)
+                    .map(|t| (p.advert.node.clone(), t.clone()))
+            })
+            .collect();
+        out
+    }
+
     /// Round trip with a payload echoed back.
     ///
     /// Cancel safety: cancel-safe.
@@ -702,6 +786,8 @@ impl Cluster {
                     queued: t.queued,
                     n_seq_max: t.n_seq_max,
                     inflight: self.inflight_count(&p.advert.node, tier),
+                    cached_tokens: 0,
+                    prompt_tokens: 0,
                 })
             })
             .collect()

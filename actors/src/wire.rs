@@ -28,6 +28,12 @@ pub struct TierAdvert {
     pub kv_cells: u32,
     /// KV cells reserved by running sequences.
     pub kv_reserved: u32,
+    /// Salt base of the tier's KV pages (32 bytes; empty when paging is off).
+    pub page_base: Vec<u8>,
+    /// Tokens per page.
+    pub page_block: u32,
+    /// Short ids (first 8 bytes) of pages held, most recently used first (capped).
+    pub pages: Vec<u64>,
 }
 
 /// Where a peer listens.
@@ -131,6 +137,16 @@ pub enum Request {
         /// Opaque payload echoed back (bulk measurement).
         payload: Vec<u8>,
     },
+    /// KV pages by id; answered by one [`Reply::Page`] per page held, in order, stopping at
+    /// the first page the callee does not have.
+    FetchPages {
+        /// Tier whose store to read.
+        model: String,
+        /// Page namespace (32 bytes).
+        salt: Vec<u8>,
+        /// Page ids (32 bytes each).
+        ids: Vec<Vec<u8>>,
+    },
 }
 
 /// Why a generation ended.
@@ -223,6 +239,13 @@ pub enum Reply {
         nonce: u64,
         /// The ping's payload.
         payload: Vec<u8>,
+    },
+    /// One KV page in its stored form (header with checksum + payload).
+    Page {
+        /// Page id (32 bytes).
+        id: Vec<u8>,
+        /// Stored form.
+        stored: Vec<u8>,
     },
 }
 

@@ -78,15 +78,39 @@ impl ModelFingerprint {
 #[derive(Clone, Copy, PartialEq, Eq, Hash, Debug)]
 pub struct Salt(pub [u8; 32]);
 
-impl Salt {
-    /// Salt for a model, a KV layout description and an access scope.
-    pub fn new(model: &ModelFingerprint, layout: &[u8], scope: &str) -> Self {
-        let mut h = blake3::Hasher::new_derive_key("mesh kv page salt v1");
+/// The part of a salt fixed by the model and KV layout; nodes advertise it so that a
+/// router can compute page ids for any scope without the model.
+#[derive(Clone, Copy, PartialEq, Eq, Hash, Debug)]
+pub struct SaltBase(pub [u8; 32]);
+
+impl SaltBase {
+    /// Base for a model and a KV layout description.
+    pub fn new(model: &ModelFingerprint, layout: &[u8]) -> Self {
+        let mut h = blake3::Hasher::new_derive_key("mesh kv page salt base v1");
         h.update(&model.0);
         h.update(&(layout.len() as u64).to_le_bytes());
         h.update(layout);
-        h.update(scope.as_bytes());
         Self(*h.finalize().as_bytes())
+    }
+
+    /// The salt of one access scope.
+    pub fn salt(&self, scope: &str) -> Salt {
+        Salt(*blake3::keyed_hash(&self.0, scope.as_bytes()).as_bytes())
+    }
+}
+
+impl Salt {
+    /// Salt for a model, a KV layout description and an access scope.
+    pub fn new(model: &ModelFingerprint, layout: &[u8], scope: &str) -> Self {
+        SaltBase::new(model, layout).salt(scope)
+    }
+}
+
+impl PageId {
+    /// First 8 bytes as an integer: what adverts carry (a collision only costs a failed fetch,
+    /// never a wrong page: fetched pages are checked against the full id).
+    pub fn short(&self) -> u64 {
+        u64::from_le_bytes(self.0[..8].try_into().expect("8 bytes"))
     }
 }
 

@@ -15,6 +15,6 @@ pub mod page;
 pub mod store;
 
 pub use codec::{assemble, parse, CodecError, Layout};
-pub use id::{chain, ModelFingerprint, PageId, Salt};
+pub use id::{chain, ModelFingerprint, PageId, Salt, SaltBase};
 pub use page::PageMeta;
 pub use store::{PageStore, StoreConfig, StoreStats};

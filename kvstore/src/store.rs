@@ -72,6 +72,10 @@ pub struct StoreStats {
     pub pages_disk: AtomicU64,
     /// Disk write/read errors.
     pub disk_errors: AtomicU64,
+    /// Pages fetched from peers and stored here.
+    pub fetched_from_peers: AtomicU64,
+    /// Bytes of those pages.
+    pub fetched_bytes: AtomicU64,
     /// 1 when the disk tier was switched off after an error.
     pub disk_degraded: AtomicU64,
 }
@@ -364,6 +368,71 @@ impl PageStore {
             }
         }
         true
+    }
+
+    /// The stored form (header + payload) of a page, checked, for sending to a peer.
+    pub fn get_stored(&self, id: &PageId, salt: &Salt) -> Option<Bytes> {
+        self.get(id, salt)?;
+        if let Some(b) = self
+            .ram
+            .lock()
+            .expect("ram")
+            .map
+            .get(id)
+            .map(|(b, _)| b.clone())
+        {
+            return Some(b);
+        }
+        None
+    }
+
+    /// Stores a page received from a peer in its stored form; refuses (and counts) one
+    /// whose header or checksum does not match `id` and `salt`.
+    pub fn put_fetched(&self, id: &PageId, salt: &Salt, stored: Bytes) -> bool {
+        match page::decode(&stored, id, salt) {
+            Ok((meta, payload)) => {
+                let n = stored.len() as u64;
+                if self.put(&meta, &payload) {
+                    self.stats.fetched_from_peers.fetch_add(1, Relaxed);
+                    self.stats.fetched_bytes.fetch_add(n, Relaxed);
+                }
+                true
+            }
+            Err(e) => {
+                warn!(page = %id, error = %e, "refused a page from a peer");
+                self.stats.corrupt.fetch_add(1, Relaxed);
+                false
+            }
+        }
+    }
+
+    /// Ids of up to `limit` pages held, most recently used first (RAM, then disk).
+    pub fn recent_ids(&self, limit: usize) -> Vec<PageId> {
+        let mut out: Vec<PageId> = self
+            .ram
+            .lock()
+            .expect("ram")
+            .order
+            .values()
+            .rev()
+            .take(limit)
+            .copied()
+            .collect();
+        if out.len() < limit {
+            if let Some(d) = &self.disk {
+                let idx = d.index.lock().expect("disk index");
+                let seen: std::collections::HashSet<PageId> = out.iter().copied().collect();
+                out.extend(
+                    idx.order
+                        .values()
+                        .rev()
+                        .filter(|id| !seen.contains(id))
+                        .take(limit - out.len())
+                        .copied(),
+                );
+            }
+        }
+        out
     }
 
     /// Counts a page that was not stored again because an identical one is

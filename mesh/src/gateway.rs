@@ -693,6 +693,9 @@ async fn chat_inner(state: &AppState, body: &[u8]) -> Result<Response, ApiError>
         let permit = state.permit()?;
         let prompt_text = chat::render_prompt(&messages, &shown);
         let prompt = state.tokenize(&tier, &r.model, prompt_text).instrument(info_span!("tokenize")).await?;
+        let scope = cache_scope(&shown);
+        // With the prompt known, prefer a node that holds its prefix pages.
+        let tier = state.dispatcher.route_prompt(&r.model, &prompt, &scope, true).unwrap_or(tier);
         tracing::Span::current().record("gen_ai.usage.input_tokens", prompt.len());
         let max_tokens = budget(state, tier.max_seq_len(), prompt.len(), r.max_completion_tokens.or(r.max_tokens))?;
         let (grammar, trigger) = match grammar {
@@ -710,7 +713,7 @@ async fn chat_inner(state: &AppState, body: &[u8]) -> Result<Response, ApiError>
             ignore_eos: r.ignore_eos,
             request_id: String::new(),
             // Prefix pages are shared only between requests offered the same tools.
-            cache_scope: cache_scope(&shown),
+            cache_scope: scope,
         };
         let job = Job { model: r.model.clone(), req, _permit: permit };
         let rx = submit(state, tier, &job).instrument(info_span!("tier.submit")).await?;

@@ -193,7 +193,17 @@ impl Collector for NodeCollector {
             tier,
         };
         type Get = fn(&mesh_tiers::PageHandles) -> u64;
-        let model_counters: [(&str, &str, Get); 9] = [
+        let model_counters: [(&str, &str, Get); 11] = [
+            (
+                "kv_pages_fetched_from_peers",
+                "Pages pulled from peers instead of prefilled",
+                |p| p.store.stats().fetched_from_peers.load(Relaxed),
+            ),
+            (
+                "kv_peer_fetch_bytes",
+                "Bytes of pages pulled from peers",
+                |p| p.store.stats().fetched_bytes.load(Relaxed),
+            ),
             (
                 "kv_prefix_lookups",
                 "Requests that looked for a cached prompt prefix",

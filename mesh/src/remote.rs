@@ -7,8 +7,8 @@
 //! and the first `delivered` tokens of the re-run are skipped, so the client
 //! sees one uninterrupted stream.
 
-use std::collections::HashMap;
-use std::sync::Arc;
+use std::collections::{HashMap, HashSet};
+use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
 use futures::future::BoxFuture;
@@ -31,12 +31,86 @@ pub const MAX_ATTEMPTS: usize = 4;
 #[derive(Debug, Clone)]
 pub struct NodeService {
     registry: Registry,
+    cluster: Arc<OnceLock<Cluster>>,
 }
 
 impl NodeService {
     /// Over the node's tier registry.
     pub fn new(registry: Registry) -> Self {
-        Self { registry }
+        Self {
+            registry,
+            cluster: Arc::new(OnceLock::new()),
+        }
+    }
+
+    /// Gives the service its cluster (for pulling pages from peers); set once after joining.
+    pub fn set_cluster(&self, cluster: Cluster) {
+        let _ = self.cluster.set(cluster);
+    }
+}
+
+/// Adverts carry at most this many page ids per tier (most recently used first).
+const ADVERTISED_PAGES: usize = 1024;
+
+/// Pulls the leading prefix pages of `prompt` that this node lacks from the live peer
+/// advertising the longest run of them; returns how many pages were stored. Fetched pages are
+/// checked against their ids and salt before they are stored.
+pub async fn prefetch(
+    registry: &Registry,
+    cluster: Option<&Cluster>,
+    model: &str,
+    prompt: &[i32],
+    scope: &str,
+) -> usize {
+    let Some(cluster) = cluster else { return 0 };
+    let Some(pages) = registry.get(model).and_then(|e| e.desc.pages.clone()) else {
+        return 0;
+    };
+    let usable = prompt.len().saturating_sub(1);
+    let (salt, ids) = pages.chain(&prompt[..usable], scope);
+    let local = ids.iter().take_while(|id| pages.store.contains(id)).count();
+    if local == ids.len() {
+        return 0;
+    }
+    let base = pages.base.0.to_vec();
+    let best = cluster
+        .tier_adverts(model)
+        .into_iter()
+        .filter(|(_, t)| t.page_base == base && t.page_block as usize == pages.block)
+        .map(|(n, t)| {
+            let held: HashSet<u64> = t.pages.iter().copied().collect();
+            let run = ids
+                .iter()
+                .take_while(|id| held.contains(&id.short()))
+                .count();
+            (n, run)
+        })
+        .filter(|(_, run)| *run > local)
+        .max_by_key(|(_, run)| *run);
+    let Some((node, run)) = best else { return 0 };
+    let want: Vec<[u8; 32]> = ids[local..run].iter().map(|i| i.0).collect();
+    let t0 = std::time::Instant::now();
+    match cluster.fetch_pages(&node, model, salt.0, want).await {
+        Ok(got) => {
+            let mut n = 0;
+            for (i, (id, stored)) in got.into_iter().enumerate() {
+                let expect = ids[local + i];
+                if id != expect.0
+                    || !pages
+                        .store
+                        .put_fetched(&expect, &salt, bytes::Bytes::from(stored))
+                {
+                    break;
+                }
+                n += 1;
+            }
+            tracing::debug!(%node, tier = %model, pages = n, ms = t0.elapsed().as_millis() as u64, "pulled prefix pages from a peer");
+            n
+        }
+        Err(e) => {
+            warn!(%node, tier = %model, error = %e, "pulling prefix pages failed; prefilling instead");
+            0
+        }
     }
 }
 
@@ -74,6 +148,33 @@ pub fn tier_adverts(registry: &Registry) -> Vec<TierAdvert> {
                 queued: s.queued.load(Relaxed) as u32,
                 kv_cells: i.n_ctx as u32,
                 kv_reserved: s.reserved_cells.load(Relaxed) as u32,
+                page_base: e
+                    .value()
+                    .desc
+                    .pages
+                    .as_ref()
+                    .map(|p| p.base.0.to_vec())
+                    .unwrap_or_default(),
+                page_block: e
+                    .value()
+                    .desc
+                    .pages
+                    .as_ref()
+                    .map(|p| p.block as u32)
+                    .unwrap_or(0),
+                pages: e
+                    .value()
+                    .desc
+                    .pages
+                    .as_ref()
+                    .map(|p| {
+                        p.store
+                            .recent_ids(ADVERTISED_PAGES)
+                            .iter()
+                            .map(|i| i.short())
+                            .collect()
+                    })
+                    .unwrap_or_default(),
             }
         })
         .collect();
@@ -109,7 +210,16 @@ impl mesh_actors::Service for NodeService {
         call: GenerateCall,
     ) -> BoxFuture<'static, Result<mpsc::UnboundedReceiver<Event>, RemoteError>> {
         let entry = self.registry.get(&call.model).map(|e| e.value().clone());
+        let (registry, cluster) = (self.registry.clone(), self.cluster.clone());
         Box::pin(async move {
+            prefetch(
+                &registry,
+                cluster.get(),
+                &call.model,
+                &call.prompt,
+                &call.cache_scope,
+            )
+            .await;
             let Some(entry) = entry else {
                 return Err(RemoteError {
                     class: ErrorClass::NotFound,
@@ -143,6 +253,39 @@ impl mesh_actors::Service for NodeService {
                 .instrument(span),
             );
             Ok(out)
+        })
+    }
+
+    fn fetch_pages(
+        &self,
+        model: String,
+        salt: Vec<u8>,
+        ids: Vec<Vec<u8>>,
+    ) -> BoxFuture<'static, Vec<(Vec<u8>, Vec<u8>)>> {
+        let pages = self
+            .registry
+            .get(&model)
+            .and_then(|e| e.value().desc.pages.clone());
+        Box::pin(async move {
+            let (Some(pages), Ok(salt)) = (pages, <[u8; 32]>::try_from(salt)) else {
+                return vec![];
+            };
+            let salt = mesh_kvstore::Salt(salt);
+            tokio::task::spawn_blocking(move || {
+                let mut out = vec![];
+                for id in ids {
+                    let Ok(raw) = <[u8; 32]>::try_from(id.as_slice()) else {
+                        break;
+                    };
+                    match pages.store.get_stored(&mesh_kvstore::PageId(raw), &salt) {
+                        Some(b) => out.push((id, b.to_vec())),
+                        None => break,
+                    }
+                }
+                out
+            })
+            .await
+            .unwrap_or_default()
         })
     }
 
@@ -353,13 +496,7 @@ impl Dispatcher {
         names
     }
 
-    /// Picks the node for `model`, skipping `exclude`.
-    pub fn route(
-        &self,
-        model: &str,
-        exclude: &[String],
-        configured: bool,
-    ) -> Result<Target, RouteError> {
+    fn candidates(&self, model: &str) -> (Vec<Candidate>, Option<TierEntry>) {
         let mut cands = vec![];
         let local = self.registry.get(model).map(|e| e.value().clone());
         if let Some(e) = &local {
@@ -371,12 +508,25 @@ impl Dispatcher {
                 queued: s.queued.load(Relaxed) as u32,
                 n_seq_max: e.desc.info.n_seq_max as u32,
                 inflight: 0,
+                cached_tokens: 0,
+                prompt_tokens: 0,
             });
         }
         if let Some(c) = &self.cluster {
             cands.extend(c.candidates(model));
         }
-        match routing::pick(&cands, exclude) {
+        (cands, local)
+    }
+
+    fn resolve(
+        &self,
+        model: &str,
+        cands: &[Candidate],
+        local: Option<TierEntry>,
+        exclude: &[String],
+        configured: bool,
+    ) -> Result<Target, RouteError> {
+        match routing::pick(cands, exclude) {
             Some(c) if c.local => Ok(Target::Local(local.expect("local candidate has an entry"))),
             Some(c) => {
                 let cluster = self
@@ -396,6 +546,76 @@ impl Dispatcher {
             }
             None => Err(RouteError::Unknown(self.tier_names())),
         }
+    }
+
+    /// Picks the node for `model` by load, skipping `exclude`.
+    pub fn route(
+        &self,
+        model: &str,
+        exclude: &[String],
+        configured: bool,
+    ) -> Result<Target, RouteError> {
+        let (cands, local) = self.candidates(model);
+        self.resolve(model, &cands, local, exclude, configured)
+    }
+
+    /// Picks the node for a tokenized prompt by load and by how much of its prefix each node
+    /// holds as KV pages (`routing::score`).
+    pub fn route_prompt(
+        &self,
+        model: &str,
+        prompt: &[i32],
+        scope: &str,
+        configured: bool,
+    ) -> Result<Target, RouteError> {
+        let (mut cands, local) = self.candidates(model);
+        let usable = &prompt[..prompt.len().saturating_sub(1)];
+        // Page ids from the local tier, else from a peer's advertised salt base.
+        let adverts = self
+            .cluster
+            .as_ref()
+            .map(|c| c.tier_adverts(model))
+            .unwrap_or_default();
+        let params = local
+            .as_ref()
+            .and_then(|e| e.desc.pages.as_ref().map(|p| (p.base, p.block)))
+            .or_else(|| {
+                adverts.iter().find_map(|(_, t)| {
+                    let base: [u8; 32] = t.page_base.as_slice().try_into().ok()?;
+                    (t.page_block > 0)
+                        .then_some((mesh_kvstore::SaltBase(base), t.page_block as usize))
+                })
+            });
+        if let Some((base, block)) = params {
+            let ids = mesh_kvstore::chain(&base.salt(scope), usable, block);
+            for c in &mut cands {
+                c.prompt_tokens = prompt.len() as u32;
+                let run = if c.local {
+                    let store = local
+                        .as_ref()
+                        .and_then(|e| e.desc.pages.as_ref())
+                        .map(|p| p.store.clone());
+                    store
+                        .map(|s| ids.iter().take_while(|id| s.contains(id)).count())
+                        .unwrap_or(0)
+                } else {
+                    adverts
+                        .iter()
+                        .find(|(n, t)| {
+                            n == &c.node && t.page_base == base.0 && t.page_block as usize == block
+                        })
+                        .map(|(_, t)| {
+                            let held: HashSet<u64> = t.pages.iter().copied().collect();
+                            ids.iter()
+                                .take_while(|id| held.contains(&id.short()))
+                                .count()
+                        })
+                        .unwrap_or(0)
+                };
+                c.cached_tokens = (run * block) as u32;
+            }
+        }
+        self.resolve(model, &cands, local, &[], configured)
     }
 
     /// Tokenizes with the target's tokenizer.
@@ -426,6 +646,14 @@ impl Dispatcher {
     ) -> Result<(Source, Option<InflightGuard>), StartError> {
         match target {
             Target::Local(e) => {
+                prefetch(
+                    &self.registry,
+                    self.cluster.as_ref(),
+                    model,
+                    &req.prompt,
+                    &req.cache_scope,
+                )
+                .await;
                 let req = req.clone();
                 match ractor::call!(e.actor, |reply| TierMsg::Generate { req, reply }) {
                     Ok(Ok(rx)) => Ok((Source::Local(rx), None)),

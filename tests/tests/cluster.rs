@@ -5,135 +5,12 @@
 //! through every gateway, refuse a foreign certificate, survive garbage frames, lose
 //! a node under 50 concurrent requests, see it rejoin, and see a graceful leave.
 
-use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
+use mesh_tests::{mesh, Node};
+
 use serde_json::{json, Value};
-
-fn mesh_bin() -> PathBuf {
-    // target/<profile>/deps/cluster-HASH -> target/<profile>/mesh
-    let exe = std::env::current_exe().expect("test exe path");
-    let bin = exe
-        .parent()
-        .and_then(Path::parent)
-        .expect("target dir")
-        .join("mesh");
-    assert!(
-        bin.exists(),
-        "{} not found: build it with `cargo build --release -p mesh` (cargo test --workspace does)",
-        bin.display()
-    );
-    bin
-}
-
-fn root() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("..")
-}
-
-fn mesh(args: &[&str]) -> std::process::Output {
-    Command::new(mesh_bin())
-        .args(args)
-        .current_dir(root())
-        .output()
-        .expect("mesh runs")
-}
-
-struct Node {
-    child: Child,
-    http: String,
-    quic: String,
-}
-
-impl Node {
-    fn start(name: &str, certs: &Path, seeds: &[&str], tiers: &str) -> Result<Node, String> {
-        let mut args: Vec<String> = [
-            "join",
-            "--name",
-            name,
-            "--quic",
-            "127.0.0.1:0",
-            "--port",
-            "0",
-            "--tiers",
-            tiers,
-            "--threads",
-            "1",
-            "--ctx",
-            "4096",
-            "--parallel",
-            "4",
-            "--heartbeat-ms",
-            "100",
-            "--failure-timeout-ms",
-            "1000",
-            "--cert-dir",
-        ]
-        .iter()
-        .map(|s| s.to_string())
-        .collect();
-        args.push(certs.display().to_string());
-        // Node logs stay next to the certs for a failed run: <tmp>/<name>-<pid>.log.
-        let log = certs
-            .join("..")
-            .join(format!("{name}-{}.log", std::process::id()));
-        if !seeds.is_empty() {
-            args.push("--seeds".into());
-            args.push(seeds.join(","));
-        }
-        let mut child = Command::new(mesh_bin())
-            .args(&args)
-            .current_dir(root())
-            .env("RUST_LOG", "info")
-            .stdout(Stdio::piped())
-            .stderr(std::fs::File::create(&log).expect("log file"))
-            .spawn()
-            .expect("mesh starts");
-        let mut lines = BufReader::new(child.stdout.take().expect("stdout")).lines();
-        let mut quic = String::new();
-        loop {
-            match lines.next() {
-                Some(Ok(line)) => {
-                    if let Some(rest) = line.split(" quic on ").nth(1) {
-                        quic = rest.to_owned();
-                    }
-                    if let Some(url) = line.strip_prefix("mesh listening on ") {
-                        // Keep draining stdout so the child never blocks on a full pipe.
-                        std::thread::spawn(move || for _ in lines.by_ref() {});
-                        return Ok(Node {
-                            child,
-                            http: url.to_owned(),
-                            quic,
-                        });
-                    }
-                }
-                _ => {
-                    let _ = child.wait();
-                    return Err(std::fs::read_to_string(&log).unwrap_or_default());
-                }
-            }
-        }
-    }
-
-    fn kill(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-
-    fn terminate(&mut self) {
-        let _ = Command::new("kill")
-            .args(["-TERM", &self.child.id().to_string()])
-            .status();
-        let _ = self.child.wait();
-    }
-}
-
-impl Drop for Node {
-    fn drop(&mut self) {
-        self.kill();
-    }
-}
 
 async fn members(http: &str) -> Vec<Value> {
     let v: Value = reqwest::get(format!("{http}/v1/cluster"))
@@ -347,10 +224,10 @@ async fn three_node_cluster() {
     // Issuing a name twice never overwrites its key.
     assert!(!mesh(&["cert", "issue", "a", "--dir", &c]).status.success());
 
-    let a = Node::start("a", &certs, &[], "t1").expect("a starts");
+    let a = Node::start("a", &certs, &[], "t1", &[]).expect("a starts");
     let seed = a.quic.clone();
-    let mut b = Node::start("b", &certs, &[&seed], "t1").expect("b joins");
-    let mut cn = Node::start("c", &certs, &[&seed], "t1").expect("c joins");
+    let mut b = Node::start("b", &certs, &[&seed], "t1", &[]).expect("b joins");
+    let mut cn = Node::start("c", &certs, &[&seed], "t1", &[]).expect("c joins");
     // Everyone sees everyone (c learns about b through gossip, not from a seed list).
     for http in [&a.http, &b.http, &cn.http] {
         wait_for("3 alive members", Duration::from_secs(30), async || {
@@ -371,7 +248,7 @@ async fn three_node_cluster() {
     let f = foreign.display().to_string();
     assert!(mesh(&["cert", "init", "--dir", &f]).status.success());
     assert!(mesh(&["cert", "issue", "d", "--dir", &f]).status.success());
-    let err = Node::start("d", &foreign, &[&seed], "none")
+    let err = Node::start("d", &foreign, &[&seed], "none", &[])
         .err()
         .expect("foreign node refused");
     assert!(err.contains("no seed could be reached"), "{err}");
@@ -462,7 +339,7 @@ async fn three_node_cluster() {
     .await;
 
     // b restarts with the same name and rejoins.
-    let _b2 = Node::start("b", &certs, &[&seed], "t1").expect("b restarts");
+    let _b2 = Node::start("b", &certs, &[&seed], "t1", &[]).expect("b restarts");
     wait_for("b alive again", Duration::from_secs(30), async || {
         state_of(&members(&a.http).await, "b").as_deref() == Some("alive")
     })

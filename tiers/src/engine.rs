@@ -32,6 +32,20 @@ pub struct PageHandles {
     pub reuse: Arc<ReuseStats>,
     /// Tokens per page.
     pub block: usize,
+    /// Salt base of this engine's pages.
+    pub base: mesh_kvstore::SaltBase,
+}
+
+impl PageHandles {
+    /// Page ids of the full blocks of `tokens` in `scope`.
+    pub fn chain(
+        &self,
+        tokens: &[i32],
+        scope: &str,
+    ) -> (mesh_kvstore::Salt, Vec<mesh_kvstore::PageId>) {
+        let salt = self.base.salt(scope);
+        (salt, mesh_kvstore::chain(&salt, tokens, self.block))
+    }
 }
 
 /// The process-wide llama.cpp backend (initialised on first use, logs silenced unless
@@ -168,6 +182,7 @@ impl Engine {
                         store: k.store().clone(),
                         reuse: k.stats().clone(),
                         block: k.block(),
+                        base: k.base(),
                     });
                     let _ = ready_tx.send(Ok(handles));
                     Loop::new(&model, ctx, &cfg, &info, stats, kv).run(rx);

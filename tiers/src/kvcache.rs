@@ -17,7 +17,8 @@ use std::sync::Arc;
 use llama_cpp_2::context::session::LlamaStateSeqFlags;
 use llama_cpp_2::context::LlamaContext;
 use mesh_kvstore::{
-    chain, codec, Layout, ModelFingerprint, PageId, PageMeta, PageStore, Salt, StoreConfig,
+    chain, codec, Layout, ModelFingerprint, PageId, PageMeta, PageStore, Salt, SaltBase,
+    StoreConfig,
 };
 use tracing::{debug, warn};
 
@@ -42,7 +43,7 @@ pub struct ReuseStats {
 pub struct KvCache {
     block: usize,
     layout: Layout,
-    model: ModelFingerprint,
+    base: SaltBase,
     salts: HashMap<String, Salt>,
     store: Arc<PageStore>,
     stats: Arc<ReuseStats>,
@@ -92,8 +93,8 @@ impl KvCache {
         }));
         Ok(Self {
             block: cfg.block,
+            base: SaltBase::new(&model, &layout.descriptor()),
             layout,
-            model,
             salts: HashMap::new(),
             store,
             stats: Arc::new(ReuseStats::default()),
@@ -119,7 +120,7 @@ impl KvCache {
         if let Some(s) = self.salts.get(scope) {
             return *s;
         }
-        let s = Salt::new(&self.model, &self.layout.descriptor(), scope);
+        let s = self.base.salt(scope);
         if self.salts.len() > 4096 {
             self.salts.clear();
         }
@@ -219,6 +220,11 @@ impl KvCache {
                 }
             }
         }
+    }
+
+    /// The salt base (advertised so routers can compute page ids).
+    pub fn base(&self) -> SaltBase {
+        self.base
     }
 
     /// Tokens per page.

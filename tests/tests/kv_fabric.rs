@@ -1,0 +1,148 @@
+//! Prefix pages move between nodes: a prompt's prefix computed on node A is pulled by
+//! node B when B serves a request sharing it (A busy), and B's answer equals a node
+//! without any page reuse.
+
+use std::time::{Duration, Instant};
+
+use mesh_tests::{mesh, Node};
+use serde_json::{json, Value};
+
+fn catalog_prefix() -> String {
+    let text =
+        std::fs::read_to_string(mesh_tests::root().join("models/fixtures/catalog.jsonl")).unwrap();
+    let tools: Vec<String> = text
+        .lines()
+        .take(8)
+        .map(|l| {
+            let v: Value = serde_json::from_str(l).unwrap();
+            json!({"name": v["name"], "description": v["description"], "parameters": v["parameters"]}).to_string()
+        })
+        .collect();
+    format!(
+        "<|system|>You are a helpful agent. Call a tool when one fits the request, otherwise answer directly.\n<tools>\n{}\n</tools><|end|>",
+        tools.join("\n")
+    )
+}
+
+fn prompt(prefix: &str, q: &str) -> String {
+    format!("{prefix}<|user|>{q}<|end|><|assistant|>")
+}
+
+async fn complete(c: &reqwest::Client, base: &str, prompt: &str, max_tokens: usize) -> String {
+    let r: Value = c
+        .post(format!("{base}/v1/completions"))
+        .json(&json!({"model": "t1", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": true}))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    r["choices"][0]["text"]
+        .as_str()
+        .unwrap_or_else(|| panic!("no text: {r}"))
+        .to_owned()
+}
+
+async fn metric(c: &reqwest::Client, base: &str, name: &str) -> f64 {
+    let text = c
+        .get(format!("{base}/metrics"))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    text.lines()
+        .filter(|l| l.starts_with(name) && !l.starts_with('#'))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pages_computed_on_one_node_are_pulled_by_another() {
+    let dir = tempfile::tempdir().unwrap();
+    let certs = dir.path().join("certs");
+    let c = certs.display().to_string();
+    assert!(mesh(&["cert", "init", "--dir", &c]).status.success());
+    for n in ["a", "b", "r"] {
+        assert!(mesh(&["cert", "issue", n, "--dir", &c]).status.success());
+    }
+    let a = Node::start(
+        "a",
+        &certs,
+        &[],
+        "t1",
+        &["--parallel", "1", "--kv-block", "16"],
+    )
+    .expect("a");
+    let b = Node::start("b", &certs, &[&a.quic], "t1", &["--kv-block", "16"]).expect("b");
+    // Reference: a standalone cluster of one with page reuse off.
+    let r = Node::start("r", &certs, &[], "t1", &["--kv-block", "0"]).expect("r");
+    let client = reqwest::Client::new();
+    let prefix = catalog_prefix();
+    let p1 = prompt(&prefix, "What is the weather in Oslo?");
+    let p2 = prompt(&prefix, "Send an email to Dana about the launch.");
+    let want = complete(&client, &r.http, &p2, 24).await;
+
+    // Wait for a and b to see each other.
+    let t0 = Instant::now();
+    loop {
+        let v: Value = client
+            .get(format!("{}/v1/cluster", b.http))
+            .send()
+            .await
+            .unwrap()
+            .json()
+            .await
+            .unwrap();
+        if v["members"]
+            .as_array()
+            .is_some_and(|m| m.len() == 2 && m.iter().all(|m| m["state"] == "alive"))
+        {
+            break;
+        }
+        assert!(
+            t0.elapsed() < Duration::from_secs(30),
+            "cluster did not form"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    // a computes the prefix (served locally: both idle, local preferred).
+    complete(&client, &a.http, &p1, 4).await;
+    assert!(metric(&client, &a.http, "mesh_kv_pages_published_total").await > 0.0);
+    assert_eq!(
+        metric(&client, &b.http, "mesh_kv_pages_published_total").await,
+        0.0,
+        "p1 ran on b"
+    );
+    // Let b hear a's advert with the new pages, then keep a's only slot busy.
+    tokio::time::sleep(Duration::from_millis(800)).await;
+    let busy = {
+        let (client, base) = (client.clone(), a.http.clone());
+        tokio::spawn(async move {
+            complete(
+                &client,
+                &base,
+                "<|user|>Tell a long story.<|end|><|assistant|>",
+                1500,
+            )
+            .await
+        })
+    };
+    let t0 = Instant::now();
+    while metric(&client, &a.http, "mesh_active_sequences").await < 1.0 {
+        assert!(t0.elapsed() < Duration::from_secs(10));
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    // b serves p2 and pulls the shared prefix from a instead of prefilling it.
+    let got = complete(&client, &b.http, &p2, 24).await;
+    assert_eq!(got, want, "restored-from-peer prefix changed the answer");
+    let fetched = metric(&client, &b.http, "mesh_kv_pages_fetched_from_peers_total").await;
+    assert!(fetched > 0.0, "b fetched no pages from a");
+    assert!(metric(&client, &b.http, "mesh_kv_prefix_hits_total").await >= 1.0);
+    assert!(
+        metric(&client, &b.http, "mesh_kv_recompute_avoided_tokens_total").await >= 16.0 * fetched
+    );
+    busy.abort();
+}
