@@ -119,9 +119,10 @@ mod tests {
         let cs = [with("a", true, 0, 0), with("b", false, 5, 900)];
         assert_eq!(pick(&cs, &[]).unwrap().node, "a");
         // Unknown prompt length: load alone decides.
-        let mut x = with("b", false, 0, 900);
+        let (mut x, mut y) = (with("a", true, 0, 0), with("b", false, 0, 900));
         x.prompt_tokens = 0;
-        assert_eq!(pick(&[with("a", true, 0, 0), x], &[]).unwrap().node, "a");
+        y.prompt_tokens = 0;
+        assert_eq!(pick(&[x, y], &[]).unwrap().node, "a");
         // More cached wins among equals.
         let cs = [with("b", false, 1, 300), with("c", false, 1, 600)];
         assert_eq!(pick(&cs, &[]).unwrap().node, "c");
