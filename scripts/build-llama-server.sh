@@ -35,7 +35,9 @@ write_version() {
     mv "$OUT_DIR/VERSION.tmp" "$OUT_DIR/VERSION"
 }
 
-if [[ -x "$BIN" ]]; then
+# Bump when the cmake flags below change, so a cached binary built differently is rebuilt.
+FLAGS_STAMP="cpu:avx2-fma-f16c-bmi2,native-off"
+if [[ -x "$BIN" && "$(cat "$OUT_DIR/FLAGS" 2>/dev/null)" == "$FLAGS_STAMP" ]]; then
     [[ -s "$OUT_DIR/VERSION" ]] || write_version
     say "cached: $BIN ($(grep -m1 -i version "$OUT_DIR/VERSION" || echo 'version unknown'))"
     exit 0
@@ -86,7 +88,9 @@ fi
 mkdir -p "$OUT_DIR"
 
 # 3. Configure and build. Static libraries so the binary can be copied out of
-#    the build tree on its own.
+#    the build tree on its own. The CPU features match what llama-cpp-sys-2 builds
+#    for mesh (no -march=native: same kernels on both sides of a comparison, and no
+#    AMX/AVX-512 code paths that trap on VMs which advertise but do not enable them).
 say "configuring (cmake, Release) in ${BUILD_DIR#"$ROOT"/}"
 cmake -S "$TREE" -B "$BUILD_DIR" \
     -DCMAKE_BUILD_TYPE=Release \
@@ -95,7 +99,10 @@ cmake -S "$TREE" -B "$BUILD_DIR" \
     -DLLAMA_BUILD_TESTS=OFF \
     -DLLAMA_BUILD_EXAMPLES=OFF \
     -DLLAMA_OPENSSL=OFF \
-    -DLLAMA_CURL=OFF >"$OUT_DIR/cmake-configure.log" 2>&1 \
+    -DLLAMA_CURL=OFF \
+    -DGGML_NATIVE=OFF -DGGML_SSE42=ON -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON \
+    -DGGML_F16C=ON -DGGML_BMI2=ON -DGGML_AVX512=OFF \
+    -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF >"$OUT_DIR/cmake-configure.log" 2>&1 \
     || { tail -n 30 "$OUT_DIR/cmake-configure.log" >&2; die "cmake configure failed (log: $OUT_DIR/cmake-configure.log)"; }
 
 say "building target llama-server with -j${JOBS} (about 7 minutes on 2 cores)"
@@ -107,6 +114,7 @@ built="$BUILD_DIR/bin/llama-server"
 mkdir -p "$OUT_DIR/bin"
 cp "$built" "$BIN.tmp"
 mv "$BIN.tmp" "$BIN"
+printf '%s\n' "$FLAGS_STAMP" >"$OUT_DIR/FLAGS"
 write_version
 say "built: $BIN"
 sed 's/^/[llama-server]   /' "$OUT_DIR/VERSION"
