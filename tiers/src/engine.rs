@@ -392,6 +392,8 @@ struct Loop<'m> {
     next_age: u64,
     batch: LlamaBatch<'static>,
     kv: Option<KvCache>,
+    /// Pages some running sequence will publish when its prompt is prefilled (refcounts).
+    pending: std::collections::HashMap<mesh_kvstore::PageId, usize>,
 }
 
 impl<'m> Loop<'m> {
@@ -416,6 +418,7 @@ impl<'m> Loop<'m> {
             next_age: 0,
             batch: LlamaBatch::new(cfg.n_batch as usize, 1),
             kv,
+            pending: std::collections::HashMap::new(),
         }
     }
 
@@ -472,14 +475,25 @@ impl<'m> Loop<'m> {
     }
 
     fn admit(&mut self) {
-        while let Some(p) = self.waiting.front() {
+        let mut i = 0;
+        while i < self.waiting.len() {
             let Some(seq) = self.slots.iter().position(Option::is_none) else {
                 break;
             };
+            let p = &self.waiting[i];
             if self.reserved + p.reserve > self.n_ctx {
                 break;
             }
-            let p = self.waiting.pop_front().expect("front exists");
+            // A request whose next uncached page is being prefilled by a running sequence
+            // waits for it to be published instead of computing the same prefix again;
+            // requests behind it may go first.
+            if let Some(kv) = &mut self.kv {
+                if kv.waits_for(&p.req.prompt, &p.req.cache_scope, &self.pending) {
+                    i += 1;
+                    continue;
+                }
+            }
+            let p = self.waiting.remove(i).expect("index in range");
             self.stats.queued.fetch_sub(1, Ordering::Relaxed);
             let sampler = match self.sampler(&p.req) {
                 Ok(s) => s,
@@ -505,6 +519,9 @@ impl<'m> Loop<'m> {
                 }
                 None => (PromptPages::default(), 0),
             };
+            for id in pages.pending() {
+                *self.pending.entry(*id).or_default() += 1;
+            }
             self.slots[seq] = Some(Slot {
                 pages,
                 req: p.req,
@@ -564,8 +581,22 @@ impl<'m> Loop<'m> {
     }
 
     /// Removes a slot and releases its KV cells; returns it so the caller can still report.
+    /// Drops a slot's claim on the pages it was going to publish.
+    fn unpend(&mut self, slot: &Slot) {
+        for id in slot.pages.pending() {
+            if let Some(n) = self.pending.get_mut(id) {
+                *n -= 1;
+                if *n == 0 {
+                    self.pending.remove(id);
+                }
+            }
+        }
+    }
+
     fn free(&mut self, i: usize) -> Option<Slot> {
-        let s = self.slots[i].take()?;
+        let mut s = self.slots[i].take()?;
+        self.unpend(&s);
+        s.pages.clear_pending();
         let _ = self.ctx.clear_kv_cache_seq(Some(i as u32), None, None);
         self.reserved -= s.reserve;
         self.stats
@@ -666,10 +697,15 @@ impl<'m> Loop<'m> {
             }
             return;
         }
-        if let Some(kv) = &self.kv {
+        if self.kv.is_some() {
             for slot in prompt_done {
-                if let Some(s) = &self.slots[slot] {
-                    kv.publish(&self.ctx, slot as i32, &s.pages);
+                if let Some(mut s) = self.slots[slot].take() {
+                    if let Some(kv) = &self.kv {
+                        kv.publish(&self.ctx, slot as i32, &s.pages);
+                    }
+                    self.unpend(&s);
+                    s.pages.clear_pending();
+                    self.slots[slot] = Some(s);
                 }
             }
         }

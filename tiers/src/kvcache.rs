@@ -75,6 +75,23 @@ pub struct PromptPages {
     /// Leading pages that were restored (already stored).
     pub restored: usize,
     salt: Option<Salt>,
+    published: bool,
+}
+
+impl PromptPages {
+    /// Pages this sequence will publish once its prompt is prefilled.
+    pub fn pending(&self) -> &[PageId] {
+        if self.published {
+            &[]
+        } else {
+            &self.ids[self.restored.min(self.ids.len())..]
+        }
+    }
+
+    /// Marks the pending pages as published (or abandoned).
+    pub fn clear_pending(&mut self) {
+        self.published = true;
+    }
 }
 
 impl KvCache {
@@ -149,6 +166,7 @@ impl KvCache {
             ids,
             restored: 0,
             salt: Some(salt),
+            published: false,
         };
         if pages.is_empty() {
             return plan;
@@ -186,6 +204,20 @@ impl KvCache {
             let _ = ctx.clear_kv_cache_seq(Some(seq as u32), None, None);
         }
         plan
+    }
+
+    /// Whether the first page of `prompt` that is not stored is about to be published by a
+    /// running sequence (`pending`): the request should wait rather than recompute it.
+    pub fn waits_for(&mut self, prompt: &[i32], scope: &str, pending: &HashMap<PageId, usize>) -> bool {
+        if pending.is_empty() {
+            return false;
+        }
+        let salt = self.salt(scope);
+        let usable = prompt.len().saturating_sub(1) / self.block * self.block;
+        chain(&salt, &prompt[..usable], self.block)
+            .into_iter()
+            .find(|id| !self.store.contains(id))
+            .is_some_and(|id| pending.contains_key(&id))
     }
 
     /// Publishes the prompt's full blocks not stored yet (call once the prompt is prefilled).
