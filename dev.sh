@@ -90,7 +90,7 @@ cmd_test() {
 }
 
 cmd_bench() {
-    scripts/setup.sh
+    scripts/setup.sh --build   # the drivers start target/release/mesh
     scripts/build-llama-server.sh
     exec cargo run --release -p mesh-bench -- "$@"
 }
