@@ -14,6 +14,7 @@
 //! them. Benchmarks never gate CI.
 
 mod decode;
+mod fabric;
 mod gguf;
 mod machine;
 mod prefix;
@@ -44,6 +45,8 @@ enum Command {
     /// Agents sharing a long prompt prefix: throughput and TTFT, mesh (prefix KV pages) vs
     /// llama-server (prompt cache).
     Prefix(prefix::PrefixArgs),
+    /// Time to first token when a prompt's prefix lives on a peer node vs recomputed.
+    Fabric(fabric::FabricArgs),
 }
 
 #[tokio::main(flavor = "current_thread")]
@@ -53,5 +56,6 @@ async fn main() -> anyhow::Result<()> {
         Command::Decode(args) => decode::run(args).await,
         Command::Transport(args) => transport::run(args).await,
         Command::Prefix(args) => prefix::run(args).await,
+        Command::Fabric(args) => fabric::run(args).await,
     }
 }

@@ -27,20 +27,30 @@ fn bench(c: &mut Criterion) {
     let tokens: Vec<i32> = (0..TOKENS as i32).map(|t| t * 7 % 3000).collect();
     let mut g = c.benchmark_group("kvstore");
     g.throughput(Throughput::Elements(TOKENS as u64));
-    g.bench_function(BenchmarkId::new("chain_ids", TOKENS), |b| b.iter(|| chain(&salt, &tokens, BLOCK)));
+    g.bench_function(BenchmarkId::new("chain_ids", TOKENS), |b| {
+        b.iter(|| chain(&salt, &tokens, BLOCK))
+    });
 
     let l = layout();
     let pages: Vec<Vec<u8>> = (0..TOKENS / BLOCK)
-        .map(|i| (0..l.page_bytes(BLOCK)).map(|j| (i * 31 + j) as u8).collect())
+        .map(|i| {
+            (0..l.page_bytes(BLOCK))
+                .map(|j| (i * 31 + j) as u8)
+                .collect()
+        })
         .collect();
     let refs: Vec<&[u8]> = pages.iter().map(Vec::as_slice).collect();
     let blob = codec::assemble(&l, &refs, BLOCK, 1).unwrap();
     g.throughput(Throughput::Bytes(blob.len() as u64));
-    g.bench_function(BenchmarkId::new("assemble", TOKENS), |b| b.iter(|| codec::assemble(&l, &refs, BLOCK, 1).unwrap()));
+    g.bench_function(BenchmarkId::new("assemble", TOKENS), |b| {
+        b.iter(|| codec::assemble(&l, &refs, BLOCK, 1).unwrap())
+    });
     g.bench_function(BenchmarkId::new("parse_and_cut", TOKENS), |b| {
         b.iter(|| {
             let kv = codec::parse(&blob).unwrap();
-            (0..kv.full_blocks(BLOCK)).map(|i| kv.page(i, BLOCK).unwrap().len()).sum::<usize>()
+            (0..kv.full_blocks(BLOCK))
+                .map(|i| kv.page(i, BLOCK).unwrap().len())
+                .sum::<usize>()
         })
     });
     g.finish();

@@ -960,6 +960,7 @@ async fn completions_inner(state: &AppState, body: &[u8]) -> Result<Response, Ap
             Value::Array(a) if !a.is_empty() && a.iter().all(Value::is_i64) => a.iter().filter_map(Value::as_i64).map(|t| t as i32).collect(),
             _ => return Err(ApiError::bad_request("prompt must be a string, a one-element list of strings, or a list of token ids", Some("prompt"))),
         };
+        let tier = state.dispatcher.route_prompt(&r.model, &prompt, "", true).unwrap_or(tier);
         let max_tokens = budget(state, tier.max_seq_len(), prompt.len(), r.max_tokens)?;
         let req = GenerateRequest {
             prompt,

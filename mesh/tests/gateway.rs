@@ -425,4 +425,31 @@ async fn agents_with_the_same_tools_share_prefix_pages() {
         m2.contains("mesh_kv_page_bytes{model=\"t1\",tier=\"ram\"}"),
         "{m2}"
     );
+
+    // The Grafana dashboard only queries series this node exports.
+    let dash = std::fs::read_to_string(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../docs/grafana-mesh.json"
+    ))
+    .unwrap();
+    let mut names: Vec<String> = vec![];
+    let mut rest = dash.as_str();
+    while let Some(i) = rest.find("mesh_") {
+        let tail = &rest[i..];
+        let end = tail
+            .find(|c: char| !(c.is_ascii_alphanumeric() || c == '_'))
+            .unwrap_or(tail.len());
+        names.push(tail[..end].to_owned());
+        rest = &tail[end..];
+    }
+    names.sort();
+    names.dedup();
+    assert!(names.len() >= 10, "{names:?}");
+    for n in &names {
+        let series = n.strip_suffix("_bucket").unwrap_or(n);
+        assert!(
+            m2.lines().any(|l| l.starts_with(series)),
+            "dashboard queries {n}, which /metrics lacks"
+        );
+    }
 }

@@ -208,7 +208,12 @@ impl KvCache {
 
     /// Whether the first page of `prompt` that is not stored is about to be published by a
     /// running sequence (`pending`): the request should wait rather than recompute it.
-    pub fn waits_for(&mut self, prompt: &[i32], scope: &str, pending: &HashMap<PageId, usize>) -> bool {
+    pub fn waits_for(
+        &mut self,
+        prompt: &[i32],
+        scope: &str,
+        pending: &HashMap<PageId, usize>,
+    ) -> bool {
         if pending.is_empty() {
             return false;
         }
