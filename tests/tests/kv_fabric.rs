@@ -135,6 +135,8 @@ async fn pages_computed_on_one_node_are_pulled_by_another() {
         assert!(t0.elapsed() < Duration::from_secs(10));
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
+    // Let b hear (next heartbeat) that a is busy, so its gateway serves p2 itself.
+    tokio::time::sleep(Duration::from_millis(400)).await;
     // b serves p2 and pulls the shared prefix from a instead of prefilling it.
     let got = complete(&client, &b.http, &p2, 24).await;
     assert_eq!(got, want, "restored-from-peer prefix changed the answer");
