@@ -17,6 +17,7 @@ mod decode;
 mod fabric;
 mod gguf;
 mod machine;
+mod mooncake;
 mod prefix;
 mod report;
 mod server;
@@ -47,6 +48,8 @@ enum Command {
     Prefix(prefix::PrefixArgs),
     /// Time to first token when a prompt's prefix lives on a peer node vs recomputed.
     Fabric(fabric::FabricArgs),
+    /// Replay of a Mooncake-format trace (scaled), mesh vs llama-server.
+    Mooncake(mooncake::MooncakeArgs),
 }
 
 #[tokio::main(flavor = "current_thread")]
@@ -57,5 +60,6 @@ async fn main() -> anyhow::Result<()> {
         Command::Transport(args) => transport::run(args).await,
         Command::Prefix(args) => prefix::run(args).await,
         Command::Fabric(args) => fabric::run(args).await,
+        Command::Mooncake(args) => mooncake::run(args).await,
     }
 }
