@@ -803,6 +803,16 @@ impl Cluster {
         found
     }
 
+    /// Whether any peer, live or not, has advertised `tier` (a request for it is then "none
+    /// available", not "unknown model").
+    pub fn ever_hosted(&self, tier: &str) -> bool {
+        let m = self.inner.members.lock().expect("members");
+        let found = m
+            .all()
+            .any(|p| p.advert.tiers.iter().any(|t| t.name == tier));
+        found
+    }
+
     /// Tier names hosted by live peers.
     pub fn remote_tier_names(&self) -> Vec<String> {
         let m = self.inner.members.lock().expect("members");

@@ -231,16 +231,39 @@ impl AppState {
         })
     }
 
+    /// Tokenizes on `target`; if that node fails, moves `target` to the next node hosting
+    /// the tier and tries there.
     async fn tokenize(
         &self,
-        target: &Target,
+        target: &mut Target,
         model: &str,
         text: String,
     ) -> Result<Vec<i32>, ApiError> {
-        self.dispatcher
-            .tokenize(target, model, text)
-            .await
-            .map_err(ApiError::unavailable)
+        let mut failed: Vec<String> = vec![];
+        loop {
+            match self.dispatcher.tokenize(target, model, text.clone()).await {
+                Ok(t) => return Ok(t),
+                Err(why) => {
+                    if let Target::Remote { node, .. } = &*target {
+                        failed.push(node.clone());
+                    }
+                    let next = match &*target {
+                        Target::Remote { .. } if failed.len() < crate::remote::MAX_ATTEMPTS => {
+                            self.dispatcher.route(model, &failed, true).ok()
+                        }
+                        _ => None,
+                    };
+                    match next {
+                        Some(t) => *target = t,
+                        None => {
+                            return Err(ApiError::unavailable(format!(
+                                "No node hosting `{model}` is available right now ({why}); retry shortly."
+                            )))
+                        }
+                    }
+                }
+            }
+        }
     }
 
     fn permit(&self) -> Result<OwnedSemaphorePermit, ApiError> {
@@ -687,12 +710,12 @@ async fn chat_inner(state: &AppState, body: &[u8]) -> Result<Response, ApiError>
     let span = info_span!("gateway.chat", gen_ai.request.model = %r.model, gen_ai.operation.name = "chat",
         gen_ai.usage.input_tokens = tracing::field::Empty, mesh.tier = %r.model, stream = r.stream);
     async move {
-        let tier = state.find_tier(&r.model)?;
+        let mut tier = state.find_tier(&r.model)?;
         let messages = to_messages(&r.messages)?;
         let (shown, grammar) = tool_plan(to_tools(&r.tools)?, r.tool_choice.as_ref())?;
         let permit = state.permit()?;
         let prompt_text = chat::render_prompt(&messages, &shown);
-        let prompt = state.tokenize(&tier, &r.model, prompt_text).instrument(info_span!("tokenize")).await?;
+        let prompt = state.tokenize(&mut tier, &r.model, prompt_text).instrument(info_span!("tokenize")).await?;
         let scope = cache_scope(&shown);
         // With the prompt known, prefer a node that holds its prefix pages.
         let tier = state.dispatcher.route_prompt(&r.model, &prompt, &scope, true).unwrap_or(tier);
@@ -952,11 +975,11 @@ async fn completions_inner(state: &AppState, body: &[u8]) -> Result<Response, Ap
     }
     let span = info_span!("gateway.completions", gen_ai.request.model = %r.model, gen_ai.operation.name = "text_completion");
     async move {
-        let tier = state.find_tier(&r.model)?;
+        let mut tier = state.find_tier(&r.model)?;
         let permit = state.permit()?;
         let prompt = match &r.prompt {
-            Value::String(s) => state.tokenize(&tier, &r.model, s.clone()).await?,
-            Value::Array(a) if a.len() == 1 && a[0].is_string() => state.tokenize(&tier, &r.model, a[0].as_str().unwrap_or("").to_owned()).await?,
+            Value::String(s) => state.tokenize(&mut tier, &r.model, s.clone()).await?,
+            Value::Array(a) if a.len() == 1 && a[0].is_string() => state.tokenize(&mut tier, &r.model, a[0].as_str().unwrap_or("").to_owned()).await?,
             Value::Array(a) if !a.is_empty() && a.iter().all(Value::is_i64) => a.iter().filter_map(Value::as_i64).map(|t| t as i32).collect(),
             _ => return Err(ApiError::bad_request("prompt must be a string, a one-element list of strings, or a list of token ids", Some("prompt"))),
         };

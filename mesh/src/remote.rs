@@ -541,7 +541,11 @@ impl Dispatcher {
                     max_seq_len: adv.max_seq_len as usize,
                 })
             }
-            None if configured || !cands.is_empty() || !exclude.is_empty() => {
+            None if configured
+                || !cands.is_empty()
+                || !exclude.is_empty()
+                || self.cluster.as_ref().is_some_and(|c| c.ever_hosted(model)) =>
+            {
                 Err(RouteError::NoneAvailable)
             }
             None => Err(RouteError::Unknown(self.tier_names())),
