@@ -116,6 +116,8 @@ pub struct GenerateCall {
     pub trace: Vec<Header>,
     /// Prefix-page sharing scope (requests share KV pages only within one scope).
     pub cache_scope: String,
+    /// Reasoning-token budget (`None` = no cap).
+    pub reasoning_budget: Option<u32>,
 }
 
 /// Frames a caller sends.
@@ -185,6 +187,10 @@ pub enum Event {
         prompt_tokens: u32,
         /// Generated tokens.
         completion_tokens: u32,
+        /// Generated tokens inside the think block.
+        reasoning_tokens: u32,
+        /// The reasoning governor closed the think block.
+        reasoning_capped: bool,
         /// Held-back text released at the end.
         tail: String,
     },

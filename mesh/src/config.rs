@@ -15,6 +15,7 @@
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 
+use mesh_tiers::cascade::{CascadePolicy, ReasoningPolicy};
 use mesh_tiers::EngineConfig;
 use serde::{Deserialize, Serialize};
 
@@ -36,6 +37,10 @@ pub struct NodeConfig {
     pub tiers: Vec<EngineConfig>,
     /// Cluster membership; absent for a standalone node (`mesh up`).
     pub cluster: Option<ClusterSettings>,
+    /// The tier cascade (`[cascade]`): model id, tier order, confidence thresholds.
+    pub cascade: CascadePolicy,
+    /// Reasoning-token budgets (`[reasoning]`).
+    pub reasoning: ReasoningPolicy,
 }
 
 /// How this node joins a cluster (`[cluster]` in the TOML file, or `mesh join` flags).
@@ -107,6 +112,8 @@ impl Default for NodeConfig {
             default_max_tokens: 256,
             tiers: bundled_tiers(&models_dir()),
             cluster: None,
+            cascade: CascadePolicy::default(),
+            reasoning: ReasoningPolicy::default(),
         }
     }
 }
@@ -174,6 +181,12 @@ impl NodeConfig {
             );
         }
         anyhow::ensure!(self.max_concurrent > 0, "max_concurrent must be at least 1");
+        self.cascade.validate().map_err(anyhow::Error::msg)?;
+        anyhow::ensure!(
+            self.tiers.iter().all(|t| t.name != self.cascade.model),
+            "tier name `{}` is the cascade's model id; rename the tier or set cascade.model",
+            self.cascade.model
+        );
         let mut names = std::collections::HashSet::new();
         for t in &self.tiers {
             t.validate()?;

@@ -21,6 +21,7 @@ use axum::response::sse::{Event, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
+use mesh_tiers::cascade::{self, CascadePolicy, ReasoningPolicy, Verdict};
 use mesh_tiers::chat::{self, ChatMessage, Role, ToolCall, ToolSpec};
 use mesh_tiers::grammar;
 use mesh_tiers::{FinishReason, GenerateRequest, SamplingParams, TierError, TokenEvent};
@@ -29,7 +30,7 @@ use tokio::sync::{mpsc, OwnedSemaphorePermit, Semaphore};
 use tokio_stream::wrappers::ReceiverStream;
 use tracing::{info_span, Instrument};
 
-use crate::metrics::{Metrics, RequestLabel};
+use crate::metrics::{CascadeLabel, Metrics, RequestLabel};
 use crate::node::Registry;
 use crate::openai::*;
 use crate::remote::{Dispatcher, RouteError, StartError, Target};
@@ -45,6 +46,10 @@ pub struct GatewaySettings {
     pub default_max_tokens: usize,
     /// Tier names this node is configured with (for `/ready`).
     pub expected_tiers: Vec<String>,
+    /// The tier cascade clients reach as model [`CascadePolicy::model`].
+    pub cascade: CascadePolicy,
+    /// Reasoning-token budgets.
+    pub reasoning: ReasoningPolicy,
 }
 
 /// Shared state of the handlers.
@@ -217,7 +222,9 @@ fn parse_body<T: serde::de::DeserializeOwned>(body: &[u8]) -> Result<T, ApiError
 struct Job {
     model: String,
     req: GenerateRequest,
-    _permit: OwnedSemaphorePermit,
+    /// The concurrency permit, held until the response ends (a cascade holds one for
+    /// all its steps).
+    _permit: Option<OwnedSemaphorePermit>,
 }
 
 impl AppState {
@@ -409,6 +416,13 @@ impl Timed {
             }
             TokenEvent::Done { usage, .. } => {
                 self.metrics
+                    .reasoning_tokens
+                    .get_or_create(&l)
+                    .inc_by(usage.reasoning_tokens as u64);
+                if usage.reasoning_capped {
+                    self.metrics.reasoning_capped.get_or_create(&l).inc();
+                }
+                self.metrics
                     .prompt_tokens
                     .get_or_create(&l)
                     .inc_by(usage.prompt_tokens as u64);
@@ -432,14 +446,29 @@ struct Collected {
     finish: FinishReason,
     usage: OutUsage,
     queued_ms: u64,
+    /// Every event in order (the cascade replays the kept answer to streaming clients).
+    events: Vec<TokenEvent>,
+    /// Per-token logit margins.
+    margins: Vec<f32>,
+    reasoning_capped: bool,
 }
 
 async fn collect(mut t: Timed) -> Result<Collected, ApiError> {
     let mut text = String::new();
+    let mut margins = Vec::new();
+    let mut events = Vec::new();
     while let Some(ev) = t.next().await {
+        events.push(ev.clone());
         match ev {
             TokenEvent::Started { .. } => {}
-            TokenEvent::Token { text: piece, .. } => text.push_str(&piece),
+            TokenEvent::Token {
+                text: piece,
+                margin,
+                ..
+            } => {
+                text.push_str(&piece);
+                margins.push(margin);
+            }
             TokenEvent::Done {
                 finish,
                 usage,
@@ -451,6 +480,9 @@ async fn collect(mut t: Timed) -> Result<Collected, ApiError> {
                     finish,
                     usage: usage.into(),
                     queued_ms: t.queued_ms,
+                    events,
+                    margins,
+                    reasoning_capped: usage.reasoning_capped,
                 });
             }
             TokenEvent::Error(e) => {
@@ -710,65 +742,302 @@ async fn chat_inner(state: &AppState, body: &[u8]) -> Result<Response, ApiError>
     let span = info_span!("gateway.chat", gen_ai.request.model = %r.model, gen_ai.operation.name = "chat",
         gen_ai.usage.input_tokens = tracing::field::Empty, mesh.tier = %r.model, stream = r.stream);
     async move {
+        if r.model == state.settings.cascade.model {
+            return cascade_chat(state, &r, arrived).await;
+        }
         let mut tier = state.find_tier(&r.model)?;
-        let messages = to_messages(&r.messages)?;
-        let (shown, grammar) = tool_plan(to_tools(&r.tools)?, r.tool_choice.as_ref())?;
+        let p = prepare(&r)?;
         let permit = state.permit()?;
-        let prompt_text = chat::render_prompt(&messages, &shown);
-        let prompt = state.tokenize(&mut tier, &r.model, prompt_text).instrument(info_span!("tokenize")).await?;
-        let scope = cache_scope(&shown);
+        let prompt = state
+            .tokenize(&mut tier, &r.model, p.prompt_text.clone())
+            .instrument(info_span!("tokenize"))
+            .await?;
         // With the prompt known, prefer a node that holds its prefix pages.
-        let tier = state.dispatcher.route_prompt(&r.model, &prompt, &scope, true).unwrap_or(tier);
+        let tier = state
+            .dispatcher
+            .route_prompt(&r.model, &prompt, &p.scope, true)
+            .unwrap_or(tier);
         tracing::Span::current().record("gen_ai.usage.input_tokens", prompt.len());
-        let max_tokens = budget(state, tier.max_seq_len(), prompt.len(), r.max_completion_tokens.or(r.max_tokens))?;
-        let (grammar, trigger) = match grammar {
-            Some((g, true)) => (Some(g), Some(chat::CALL.to_owned())),
-            Some((g, false)) => (Some(g), None),
-            None => (None, None),
+        let req = build_request(state, &r, &p, prompt, tier.max_seq_len())?;
+        let job = Job {
+            model: r.model.clone(),
+            req,
+            _permit: Some(permit),
         };
-        let req = GenerateRequest {
-            prompt,
-            max_tokens,
-            sampling: sampling(r.temperature, r.top_p, r.top_k, r.seed)?,
-            stop: r.stop.clone().map(StopField::into_vec).unwrap_or_default(),
-            grammar,
-            grammar_trigger: trigger,
-            ignore_eos: r.ignore_eos,
-            request_id: String::new(),
-            // Prefix pages are shared only between requests offered the same tools.
-            cache_scope: scope,
+        let rx = submit(state, tier, &job)
+            .instrument(info_span!("tier.submit"))
+            .await?;
+        let timed = Timed {
+            rx,
+            model: job.model.clone(),
+            metrics: state.metrics.clone(),
+            arrived,
+            last: None,
+            queued_ms: 0,
         };
-        let job = Job { model: r.model.clone(), req, _permit: permit };
-        let rx = submit(state, tier, &job).instrument(info_span!("tier.submit")).await?;
-        let timed = Timed { rx, model: job.model.clone(), metrics: state.metrics.clone(), arrived, last: None, queued_ms: 0 };
         if r.stream {
             let include_usage = r.stream_options.as_ref().is_some_and(|o| o.include_usage);
             Ok(stream_chat(job, timed, include_usage))
         } else {
-            let c = collect(timed).instrument(info_span!("tier.generate")).await?;
-            let parsed = chat::parse_output(&c.text);
-            let finish = if !parsed.tool_calls.is_empty() { "tool_calls" } else { finish_str(c.finish) };
-            let mut message = json!({"role": "assistant", "content": if parsed.content.is_empty() && !parsed.tool_calls.is_empty() { Value::Null } else { Value::String(parsed.content.clone()) }});
-            if let Some(reasoning) = &parsed.reasoning {
-                message["reasoning_content"] = Value::String(reasoning.clone());
-            }
-            if !parsed.tool_calls.is_empty() {
-                message["tool_calls"] = serde_json::to_value(out_calls(&parsed.tool_calls, 0, false)).expect("serializable");
-            }
-            let body = json!({
-                "id": new_id("chatcmpl"),
-                "object": "chat.completion",
-                "created": now_s(),
-                "model": job.model,
-                "choices": [{"index": 0, "message": message, "finish_reason": finish, "logprobs": null}],
-                "usage": c.usage,
-                "mesh": MeshInfo { tier: job.model.clone(), queued_ms: c.queued_ms },
-            });
-            Ok(Json(body).into_response())
+            let c = collect(timed)
+                .instrument(info_span!("tier.generate"))
+                .await?;
+            let mesh = MeshInfo {
+                tier: job.model.clone(),
+                queued_ms: c.queued_ms,
+                reasoning_capped: c.reasoning_capped,
+                cascade: vec![],
+            };
+            Ok(Json(chat_body(&job.model, &c.text, c.finish, c.usage, &mesh)).into_response())
         }
     }
     .instrument(span)
     .await
+}
+
+/// A chat request rendered for the tiers.
+struct Prepared {
+    prompt_text: String,
+    /// Tools shown in the prompt.
+    shown: Vec<ToolSpec>,
+    grammar: Option<String>,
+    trigger: Option<String>,
+    scope: String,
+}
+
+fn prepare(r: &ChatRequest) -> Result<Prepared, ApiError> {
+    let messages = to_messages(&r.messages)?;
+    let (shown, grammar) = tool_plan(to_tools(&r.tools)?, r.tool_choice.as_ref())?;
+    let prompt_text = chat::render_prompt(&messages, &shown);
+    let (grammar, trigger) = match grammar {
+        Some((g, true)) => (Some(g), Some(chat::CALL.to_owned())),
+        Some((g, false)) => (Some(g), None),
+        None => (None, None),
+    };
+    // Prefix pages are shared only between requests offered the same tools.
+    let scope = cache_scope(&shown);
+    Ok(Prepared {
+        prompt_text,
+        shown,
+        grammar,
+        trigger,
+        scope,
+    })
+}
+
+fn build_request(
+    state: &AppState,
+    r: &ChatRequest,
+    p: &Prepared,
+    prompt: Vec<i32>,
+    max_seq_len: usize,
+) -> Result<GenerateRequest, ApiError> {
+    let max_tokens = budget(
+        state,
+        max_seq_len,
+        prompt.len(),
+        r.max_completion_tokens.or(r.max_tokens),
+    )?;
+    Ok(GenerateRequest {
+        prompt,
+        max_tokens,
+        sampling: sampling(r.temperature, r.top_p, r.top_k, r.seed)?,
+        stop: r.stop.clone().map(StopField::into_vec).unwrap_or_default(),
+        grammar: p.grammar.clone(),
+        grammar_trigger: p.trigger.clone(),
+        ignore_eos: r.ignore_eos,
+        request_id: String::new(),
+        cache_scope: p.scope.clone(),
+        reasoning_budget: state.settings.reasoning.budget(r.reasoning_budget, None),
+    })
+}
+
+/// A non-streamed chat completion body.
+fn chat_body(
+    model: &str,
+    text: &str,
+    finish: FinishReason,
+    usage: OutUsage,
+    mesh: &MeshInfo,
+) -> Value {
+    let parsed = chat::parse_output(text);
+    let finish = if !parsed.tool_calls.is_empty() {
+        "tool_calls"
+    } else {
+        finish_str(finish)
+    };
+    let mut message = json!({"role": "assistant", "content": if parsed.content.is_empty() && !parsed.tool_calls.is_empty() { Value::Null } else { Value::String(parsed.content.clone()) }});
+    if let Some(reasoning) = &parsed.reasoning {
+        message["reasoning_content"] = Value::String(reasoning.clone());
+    }
+    if !parsed.tool_calls.is_empty() {
+        message["tool_calls"] =
+            serde_json::to_value(out_calls(&parsed.tool_calls, 0, false)).expect("serializable");
+    }
+    json!({
+        "id": new_id("chatcmpl"),
+        "object": "chat.completion",
+        "created": now_s(),
+        "model": model,
+        "choices": [{"index": 0, "message": message, "finish_reason": finish, "logprobs": null}],
+        "usage": usage,
+        "mesh": mesh,
+    })
+}
+
+/// Runs a request through the tier cascade: each tier in policy order generates the
+/// whole answer; the first whose answer [`cascade::assess`] keeps answers the client.
+/// Streaming clients get the kept answer replayed as chunks once it is decided.
+async fn cascade_chat(
+    state: &AppState,
+    r: &ChatRequest,
+    arrived: Instant,
+) -> Result<Response, ApiError> {
+    let policy = &state.settings.cascade;
+    let p = prepare(r)?;
+    let mut first = state.find_tier(&policy.tiers[0])?;
+    let permit = state.permit()?;
+    // The tiers share one tokenizer (a cascade requirement), so one tokenization serves all.
+    let prompt = state
+        .tokenize(&mut first, &policy.tiers[0], p.prompt_text.clone())
+        .instrument(info_span!("tokenize"))
+        .await?;
+    tracing::Span::current().record("gen_ai.usage.input_tokens", prompt.len());
+    let offered: Vec<&str> = p.shown.iter().map(|t| t.name.as_str()).collect();
+    let (start, skipped) = cascade::first_tier(policy, None);
+    let mut steps: Vec<CascadeStep> = Vec::new();
+    if let Some(v) = skipped {
+        steps.push(CascadeStep {
+            tier: policy.tiers[0].clone(),
+            verdict: v.as_str().into(),
+            min_margin: None,
+            completion_tokens: 0,
+        });
+    }
+    let mut total = OutUsage::default();
+    let mut kept = None;
+    for (i, tier) in policy.tiers.iter().enumerate().skip(start) {
+        let target = match state
+            .dispatcher
+            .route_prompt(tier, &prompt, &p.scope, true)
+            .ok()
+            .map_or_else(|| state.find_tier(tier), Ok)
+        {
+            Ok(t) => t,
+            // A missing middle tier is skipped; the last one must answer.
+            Err(e) if i + 1 == policy.tiers.len() => return Err(e),
+            Err(_) => {
+                steps.push(CascadeStep {
+                    tier: tier.clone(),
+                    verdict: "unavailable".into(),
+                    min_margin: None,
+                    completion_tokens: 0,
+                });
+                continue;
+            }
+        };
+        let req = build_request(state, r, &p, prompt.clone(), target.max_seq_len())?;
+        let job = Job {
+            model: tier.clone(),
+            req,
+            _permit: None,
+        };
+        let c = async {
+            let rx = submit(state, target, &job).await?;
+            let timed = Timed {
+                rx,
+                model: tier.clone(),
+                metrics: state.metrics.clone(),
+                arrived,
+                last: None,
+                queued_ms: 0,
+            };
+            collect(timed).await
+        }
+        .instrument(
+            info_span!("cascade.tier", mesh.tier = %tier, mesh.verdict = tracing::field::Empty),
+        )
+        .await?;
+        let out = cascade::Output {
+            text: &c.text,
+            margins: &c.margins,
+            truncated: c.finish != FinishReason::Stop,
+        };
+        let a = cascade::assess(policy, i, out, &offered);
+        state
+            .metrics
+            .cascade_steps
+            .get_or_create(&CascadeLabel {
+                tier: tier.clone(),
+                verdict: a.verdict.as_str().into(),
+            })
+            .inc();
+        steps.push(CascadeStep {
+            tier: tier.clone(),
+            verdict: a.verdict.as_str().into(),
+            min_margin: a.min_margin.is_finite().then_some(a.min_margin),
+            completion_tokens: c.usage.completion_tokens,
+        });
+        total.prompt_tokens += c.usage.prompt_tokens;
+        total.completion_tokens += c.usage.completion_tokens;
+        total.total_tokens += c.usage.total_tokens;
+        total.completion_tokens_details.reasoning_tokens +=
+            c.usage.completion_tokens_details.reasoning_tokens;
+        if a.verdict.kept() {
+            kept = Some((tier.clone(), c));
+            break;
+        }
+        debug_assert!(a.verdict != Verdict::Accept);
+    }
+    let (tier, c) = kept.ok_or_else(|| ApiError::unavailable("no cascade tier answered"))?;
+    if r.stream {
+        // Replay the kept answer; the final usage chunk reports the whole cascade's tokens.
+        let (tx, rx) = mpsc::unbounded_channel();
+        for ev in c.events {
+            let ev = match ev {
+                TokenEvent::Done {
+                    finish,
+                    mut usage,
+                    tail,
+                } => {
+                    usage.prompt_tokens = total.prompt_tokens;
+                    usage.completion_tokens = total.completion_tokens;
+                    usage.reasoning_tokens = total.completion_tokens_details.reasoning_tokens;
+                    TokenEvent::Done {
+                        finish,
+                        usage,
+                        tail,
+                    }
+                }
+                other => other,
+            };
+            let _ = tx.send(ev);
+        }
+        let job = Job {
+            model: policy.model.clone(),
+            req: GenerateRequest::default(),
+            _permit: Some(permit),
+        };
+        let timed = Timed {
+            rx,
+            model: policy.model.clone(),
+            metrics: state.metrics.clone(),
+            arrived,
+            last: None,
+            queued_ms: 0,
+        };
+        let include_usage = r.stream_options.as_ref().is_some_and(|o| o.include_usage);
+        Ok(stream_chat(job, timed, include_usage))
+    } else {
+        drop(permit);
+        let mesh = MeshInfo {
+            tier,
+            queued_ms: c.queued_ms,
+            reasoning_capped: c.reasoning_capped,
+            cascade: steps,
+        };
+        Ok(Json(chat_body(&policy.model, &c.text, c.finish, total, &mesh)).into_response())
+    }
 }
 
 /// Splits streamed chat text into content, reasoning and complete tool-call bodies.
@@ -993,7 +1262,7 @@ async fn completions_inner(state: &AppState, body: &[u8]) -> Result<Response, Ap
             ignore_eos: r.ignore_eos,
             ..Default::default()
         };
-        let job = Job { model: r.model.clone(), req, _permit: permit };
+        let job = Job { model: r.model.clone(), req, _permit: Some(permit) };
         let rx = submit(state, tier, &job).await?;
         let mut timed = Timed { rx, model: job.model.clone(), metrics: state.metrics.clone(), arrived, last: None, queued_ms: 0 };
         if !r.stream {
@@ -1002,7 +1271,7 @@ async fn completions_inner(state: &AppState, body: &[u8]) -> Result<Response, Ap
                 "id": new_id("cmpl"), "object": "text_completion", "created": now_s(), "model": job.model,
                 "choices": [{"index": 0, "text": c.text, "finish_reason": finish_str(c.finish), "logprobs": null}],
                 "usage": c.usage,
-                "mesh": MeshInfo { tier: job.model.clone(), queued_ms: c.queued_ms },
+                "mesh": MeshInfo { tier: job.model.clone(), queued_ms: c.queued_ms, reasoning_capped: c.reasoning_capped, cascade: vec![] },
             }))
             .into_response());
         }
@@ -1059,6 +1328,17 @@ async fn models(State(state): State<AppState>) -> Json<Value> {
         if !state.registry.contains_key(&name) {
             data.push(json!({"id": name, "object": "model", "created": 0, "owned_by": "mesh", "meta": {"remote": true}}));
         }
+    }
+    let c = &state.settings.cascade;
+    let hosted: Vec<String> = data
+        .iter()
+        .filter_map(|m| m["id"].as_str().map(str::to_owned))
+        .collect();
+    if c.tiers.iter().all(|t| hosted.contains(t)) {
+        data.push(
+            json!({"id": c.model, "object": "model", "created": 0, "owned_by": "mesh",
+                         "meta": {"cascade": c.tiers}}),
+        );
     }
     data.sort_by(|a, b| a["id"].as_str().cmp(&b["id"].as_str()));
     Json(json!({"object": "list", "data": data}))

@@ -74,6 +74,8 @@ mod node_run {
             retry_after_s: cfg.retry_after_s,
             default_max_tokens: cfg.default_max_tokens,
             expected_tiers: cfg.tiers.iter().map(|t| t.name.clone()).collect(),
+            cascade: cfg.cascade.clone(),
+            reasoning: cfg.reasoning.clone(),
         };
         let listener = tokio::net::TcpListener::bind(cfg.listen)
             .await

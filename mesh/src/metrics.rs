@@ -35,6 +35,15 @@ pub struct RequestLabel {
     pub status: u16,
 }
 
+/// Label: a cascade step (tier and verdict).
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct CascadeLabel {
+    /// Tier that produced the output.
+    pub tier: String,
+    /// `accept`, `last_tier`, or why it escalated (`low_margin`, `malformed_call`, ...).
+    pub verdict: String,
+}
+
 /// All metrics of a node.
 pub struct Metrics {
     registry: Registry,
@@ -50,6 +59,12 @@ pub struct Metrics {
     pub itl: Family<ModelLabel, Histogram>,
     /// Whole request latency.
     pub e2e: Family<ModelLabel, Histogram>,
+    /// Cascade steps by tier and verdict (kept answers have verdict `accept` or `last_tier`).
+    pub cascade_steps: Family<CascadeLabel, Counter>,
+    /// Reasoning tokens generated, by model.
+    pub reasoning_tokens: Family<ModelLabel, Counter>,
+    /// Think blocks the reasoning governor closed, by model.
+    pub reasoning_capped: Family<ModelLabel, Counter>,
     active: Family<ModelLabel, Gauge>,
     queued: Family<ModelLabel, Gauge>,
     kv_reserved: Family<ModelLabel, Gauge>,
@@ -76,6 +91,9 @@ impl Default for Metrics {
             ttft: latency_family(),
             itl: latency_family(),
             e2e: latency_family(),
+            cascade_steps: Family::default(),
+            reasoning_tokens: Family::default(),
+            reasoning_capped: Family::default(),
             active: Family::default(),
             queued: Family::default(),
             kv_reserved: Family::default(),
@@ -111,6 +129,21 @@ impl Default for Metrics {
             "request_duration_seconds",
             "End-to-end request latency",
             m.e2e.clone(),
+        );
+        registry.register(
+            "cascade_steps",
+            "Tier attempts of cascade requests by tier and verdict",
+            m.cascade_steps.clone(),
+        );
+        registry.register(
+            "reasoning_tokens",
+            "Tokens generated inside think blocks",
+            m.reasoning_tokens.clone(),
+        );
+        registry.register(
+            "reasoning_capped",
+            "Think blocks closed by the reasoning governor",
+            m.reasoning_capped.clone(),
         );
         registry.register(
             "active_sequences",

@@ -45,6 +45,9 @@ pub struct ChatRequest {
     /// Ban end-of-generation tokens (extension, as in llama.cpp's server; for benchmarks).
     #[serde(default)]
     pub ignore_eos: bool,
+    /// Cap on reasoning tokens inside `<think>` (extension); when spent the think block
+    /// is closed and the model answers. Default: the node's reasoning policy.
+    pub reasoning_budget: Option<usize>,
 }
 
 /// `stream_options`.
@@ -174,6 +177,16 @@ pub struct OutUsage {
     pub completion_tokens: usize,
     /// Sum.
     pub total_tokens: usize,
+    /// Breakdown of the completion tokens (OpenAI's shape).
+    #[serde(default)]
+    pub completion_tokens_details: CompletionDetails,
+}
+
+/// `usage.completion_tokens_details`.
+#[derive(Debug, Clone, Copy, Serialize, Deserialize, Default, PartialEq, Eq)]
+pub struct CompletionDetails {
+    /// Tokens inside the think block.
+    pub reasoning_tokens: usize,
 }
 
 impl From<mesh_tiers::Usage> for OutUsage {
@@ -182,6 +195,9 @@ impl From<mesh_tiers::Usage> for OutUsage {
             prompt_tokens: u.prompt_tokens,
             completion_tokens: u.completion_tokens,
             total_tokens: u.prompt_tokens + u.completion_tokens,
+            completion_tokens_details: CompletionDetails {
+                reasoning_tokens: u.reasoning_tokens,
+            },
         }
     }
 }
@@ -217,6 +233,25 @@ pub struct MeshInfo {
     pub tier: String,
     /// Milliseconds waiting for an engine slot.
     pub queued_ms: u64,
+    /// The reasoning governor closed the think block.
+    #[serde(default)]
+    pub reasoning_capped: bool,
+    /// Cascade requests: every tier tried, in order, and its verdict.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub cascade: Vec<CascadeStep>,
+}
+
+/// One tier attempt of a cascade request.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Default)]
+pub struct CascadeStep {
+    /// Tier.
+    pub tier: String,
+    /// `accept`, `last_tier`, or why the answer was passed on.
+    pub verdict: String,
+    /// Smallest logit margin over the tier's tokens.
+    pub min_margin: Option<f32>,
+    /// Tokens the tier generated.
+    pub completion_tokens: usize,
 }
 
 /// Error body, OpenAI's shape.

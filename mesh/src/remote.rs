@@ -324,6 +324,9 @@ pub fn to_call(model: &str, req: &GenerateRequest, deadline: Duration) -> Genera
         deadline_ms: deadline.as_millis() as u64,
         trace: inject_context(),
         cache_scope: req.cache_scope.clone(),
+        reasoning_budget: req
+            .reasoning_budget
+            .map(|b| b.min(u32::MAX as usize) as u32),
     }
 }
 
@@ -343,6 +346,7 @@ fn from_call(c: GenerateCall) -> GenerateRequest {
         ignore_eos: c.ignore_eos,
         request_id: c.request_id,
         cache_scope: c.cache_scope,
+        reasoning_budget: c.reasoning_budget.map(|b| b as usize),
     }
 }
 
@@ -362,6 +366,8 @@ fn to_wire(ev: TokenEvent) -> Event {
             },
             prompt_tokens: usage.prompt_tokens as u32,
             completion_tokens: usage.completion_tokens as u32,
+            reasoning_tokens: usage.reasoning_tokens as u32,
+            reasoning_capped: usage.reasoning_capped,
             tail,
         },
         TokenEvent::Error(e) => Event::Error(e),
@@ -376,6 +382,8 @@ fn from_wire(ev: Event) -> TokenEvent {
             finish,
             prompt_tokens,
             completion_tokens,
+            reasoning_tokens,
+            reasoning_capped,
             tail,
         } => TokenEvent::Done {
             finish: match finish {
@@ -386,6 +394,8 @@ fn from_wire(ev: Event) -> TokenEvent {
             usage: Usage {
                 prompt_tokens: prompt_tokens as usize,
                 completion_tokens: completion_tokens as usize,
+                reasoning_tokens: reasoning_tokens as usize,
+                reasoning_capped,
             },
             tail,
         },

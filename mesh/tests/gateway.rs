@@ -1,5 +1,7 @@
 //! Gateway behaviour against a real node (bundled t1 model) started in-process.
 
+mod common;
+
 use std::time::Duration;
 
 use futures::StreamExt;
@@ -25,15 +27,7 @@ async fn node(max_concurrent: usize, n_seq_max: u32) -> (String, tokio::sync::on
         }],
         ..NodeConfig::default()
     };
-    let (tx, rx) = tokio::sync::oneshot::channel::<()>();
-    let running = mesh::start(cfg, async move {
-        let _ = rx.await;
-    })
-    .await
-    .expect("node starts");
-    let base = format!("http://{}", running.addr);
-    tokio::spawn(running.wait());
-    (base, tx)
+    common::in_process(cfg).await
 }
 
 fn weather_tools() -> Value {

@@ -4,9 +4,10 @@ The corpus is built from a generated tool catalog (>= 200 tools over >= 10
 domains, each with a JSON-schema parameter block) and four task kinds:
 
   call      one tool call whose arguments are copied from the request
-  hard      a short reasoning trace in <think>...</think> first: arithmetic on an
-            argument, a unit conversion, picking between two similar tools by a
-            stated constraint, or a two-call plan
+  hard      a short reasoning trace in <think>...</think> first: multi-digit
+            arithmetic on an argument (worked steps), a unit conversion from
+            mixed units, picking between two similar tools by a stated (or
+            computed) constraint, or a two-call plan
   none      no offered tool fits: a fixed refusal
   result    the turn after a tool result: answer from the result's fields
 
@@ -144,18 +145,13 @@ PARAMS: dict[str, ParamKind] = {p.name: p for p in [
               lambda r: r.randint(1, 96), ("for {v} hours",)),
 ]}
 
-# Hard-task unit conversions: param -> (other unit phrase, to_other, think template)
+# Parameters that hard tasks state in another unit (`convert_problem` does the
+# conversion): param -> (other unit phrase, to_other, think template)
 CONVERSIONS = {
     "minutes": ("hours", lambda v: v // 60 if v % 60 == 0 else None, "{o} hours * 60 = {v} minutes"),
     "hours": ("days", lambda v: v // 24 if v % 24 == 0 else None, "{o} days * 24 = {v} hours"),
     "grams": ("kilograms", lambda v: v // 1000 if v % 1000 == 0 else None, "{o} kg * 1000 = {v} grams"),
     "celsius": ("F", lambda v: v * 9 // 5 + 32 if v % 5 == 0 else None, "({o} F - 32) * 5 / 9 = {v} C"),
-}
-CONVERSION_GEN = {  # values that convert exactly
-    "minutes": lambda r: 60 * r.randint(1, 5),
-    "hours": lambda r: 24 * r.randint(1, 4),
-    "grams": lambda r: 1000 * r.randint(1, 9),
-    "celsius": lambda r: 5 * r.randint(1, 7),
 }
 
 # ---------------------------------------------------------------------------
@@ -494,6 +490,84 @@ def hard_subs(tool: Tool) -> list[str]:
     return subs
 
 
+def arith_problem(r: random.Random) -> tuple[int, str, str]:
+    """(value, how the request says it, the worked steps ending in the value).
+
+    Multi-digit operands with carries, products split by place value and
+    two-operation chains: a small model gets the easy forms and misses the
+    long ones, which is what a cascade needs to see."""
+    form = r.choice(["add", "sub", "mul", "mul", "chain"])
+    if form == "add":
+        a, b = r.randint(100, 899), r.randint(100, 899)
+        v = a + b
+        return v, f"{a} plus {b}", f"{a} + {b} = {v}"
+    if form == "sub":
+        a = r.randint(300, 999)
+        b = r.randint(100, a - 50)
+        v = a - b
+        return v, f"{a} minus {b}", f"{a} - {b} = {v}"
+    if form == "mul":
+        a, b = r.randint(12, 99), r.randint(3, 19)
+        v = a * b
+        if b > 10:
+            lo = b - 10
+            return v, f"{a} times {b}", f"{a} * {b} = {a} * 10 + {a} * {lo} = {a * 10} + {a * lo} = {v}"
+        if b == 10:
+            return v, f"{a} times {b}", f"{a} * 10 = {v}"
+        hi, lo = a - a % 10, a % 10
+        if lo == 0:
+            return v, f"{a} times {b}", f"{a} * {b} = {v}"
+        return v, f"{a} times {b}", f"{a} * {b} = {hi} * {b} + {lo} * {b} = {hi * b} + {lo * b} = {v}"
+    a, b, c = r.randint(3, 12), r.randint(3, 12), r.randint(2, 40)
+    if r.random() < 0.5:
+        v = a * b + c
+        return v, f"{a} times {b} plus {c}", f"{a} * {b} = {a * b}, {a * b} + {c} = {v}"
+    c = r.randint(1, a * b - 1)
+    v = a * b - c
+    return v, f"{a} times {b} minus {c}", f"{a} * {b} = {a * b}, {a * b} - {c} = {v}"
+
+
+def convert_problem(r: random.Random, p: str) -> tuple[int, str, str]:
+    """(value in the parameter's unit, how the request says it, the worked steps)."""
+    if p == "minutes":
+        h = r.randint(1, 4)
+        form = r.choice(["whole", "mixed", "half"])
+        if form == "whole":
+            v = 60 * h
+            return v, f"for {h} hours", f"{h} hours * 60 = {v} minutes"
+        if form == "half":
+            v = 60 * h + 30
+            return v, f"for {h}.5 hours", f"{h}.5 hours * 60 = {v} minutes"
+        m = 5 * r.randint(1, 11)
+        v = 60 * h + m
+        return v, f"for {h} hours {m} minutes", f"{h} * 60 + {m} = {v} minutes"
+    if p == "hours":
+        d = r.randint(1, 4)
+        if r.random() < 0.4:
+            v = 24 * d
+            return v, f"for {d} days", f"{d} days * 24 = {v} hours"
+        h = r.randint(1, 23)
+        v = 24 * d + h
+        return v, f"for {d} days {h} hours", f"{d} * 24 + {h} = {v} hours"
+    if p == "grams":
+        kg = r.randint(1, 9)
+        form = r.choice(["whole", "decimal", "mixed"])
+        if form == "whole":
+            v = 1000 * kg
+            return v, f"of {kg} kg", f"{kg} kg * 1000 = {v} grams"
+        if form == "decimal":
+            t = r.randint(1, 9)
+            v = 1000 * kg + 100 * t
+            return v, f"of {kg}.{t} kg", f"{kg}.{t} kg * 1000 = {v} grams"
+        g = 50 * r.randint(1, 19)
+        v = 1000 * kg + g
+        return v, f"of {kg} kg {g} g", f"{kg} * 1000 + {g} = {v} grams"
+    # celsius from Fahrenheit: (F - 32) * 5 / 9
+    c = 5 * r.randint(1, 7)
+    f = c * 9 // 5 + 32
+    return c, f"to {f} F", f"({f} F - 32) * 5 / 9 = {f - 32} * 5 / 9 = {c} C"
+
+
 HARD_SUBS = ["arith", "convert", "choose", "plan"]
 
 
@@ -512,39 +586,32 @@ def make_hard(r, tool, pool, by_name, sub: str | None = None) -> Example | None:
     args = gen_args(r, tool)
     if sub == "arith":
         p = r.choice(ints)
-        args.setdefault(p, 0)
-        a, b = r.randint(2, 60), r.randint(2, 40)
-        op = r.choice(["+", "-", "*"])
-        if op == "-" and b >= a:
-            a, b = b + a, a
-        if op == "*":
-            a, b = r.randint(2, 12), r.randint(2, 9)
-        v = a + b if op == "+" else a - b if op == "-" else a * b
+        v, said, think = arith_problem(r)
         args[p] = v
-        word = {"+": "plus", "-": "minus", "*": "times"}[op]
-        say = r.choice(PARAMS[p].phrases).format(v=f"{a} {word} {b}")
+        say = r.choice(PARAMS[p].phrases).format(v=said)
         req = phrase_request(r, tool, args, {p: say})
-        think = f"{p} = {a} {op} {b} = {v}"
+        think = f"{p} = {think}"
     elif sub == "convert":
         p = r.choice(convs)
-        v = CONVERSION_GEN[p](r)
+        v, say, think = convert_problem(r, p)
         args[p] = v
-        unit, to_other, tmpl = CONVERSIONS[p]
-        o = to_other(v)
-        say = {"minutes": f"for {o} hours", "hours": f"for {o} days", "grams": f"of {o} kg",
-               "celsius": f"to {o} F"}[p]
         req = phrase_request(r, tool, args, {p: say})
-        think = tmpl.format(o=o, v=v)
     elif sub == "choose":
-        n = r.choice([r.randint(1, SEARCH_CAP), r.randint(SEARCH_CAP + 1, 60)])
+        if r.random() < 0.5:
+            n = r.choice([r.randint(1, SEARCH_CAP), r.randint(SEARCH_CAP + 1, 60)])
+            said, calc = str(n), ""
+        else:  # stated as pages of results: the count must be computed first
+            k, m = r.randint(2, 6), r.randint(2, 9)
+            n = k * m
+            said, calc = f"{k} pages of {m}", f"{k} * {m} = {n}, "
         base = tool if tool.action == "search" else by_name[tool.similar[0]]
         bulk = by_name[base.similar[0]]
         pick = bulk if n > SEARCH_CAP else base
         args = {k: v for k, v in args.items() if k != "limit"}
         req = phrase_request(r, pick, args).rstrip(".?")
-        req = f"{req}, I want {n} results." if r.random() < 0.5 else f"Find {n} " + req.split(" ", 1)[1] + "."
+        req = f"{req}, I want {said} results." if r.random() < 0.5 else f"Find {said} " + req.split(" ", 1)[1] + "."
         cmp = f"{n} > {SEARCH_CAP}" if n > SEARCH_CAP else f"{n} <= {SEARCH_CAP}"
-        think = f"{n} results and {cmp}, so use {pick.name}"
+        think = f"{calc}{n} results and {cmp}, so use {pick.name}"
         args["limit"] = n
         offered = offered_tools(r, pick, pool, by_name, must=[base, bulk])
         prompt = render_system(offered) + f"{USR}{req}{END}{AST}"
@@ -602,7 +669,7 @@ def make_result(r, tool, pool, by_name) -> Example:
     return Example("result", "answer", prompt, comp, tool.name)
 
 
-KINDS = [("call", 0.40), ("hard", 0.35), ("none", 0.10), ("result", 0.15)]
+KINDS = [("call", 0.35), ("hard", 0.40), ("none", 0.10), ("result", 0.15)]
 
 
 def generate(seed: int, n: int, split: str = "train") -> list[Example]:

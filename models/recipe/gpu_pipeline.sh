@@ -1,18 +1,44 @@
 #!/usr/bin/env bash
 # Full training run for the three tiers on one GPU machine (what produced the
 # committed GGUFs). Run from the repository root:
-#   MINUTES=10 bash models/recipe/gpu_pipeline.sh /tmp/work
-# Trains t1, t2 and t3 concurrently on the one GPU, each for $MINUTES minutes.
+#   bash models/recipe/gpu_pipeline.sh /tmp/work
+# Writes the corpus, trains t1, t2 and t3 concurrently on the one GPU (each for
+# its own time budget, so the small tiers free the GPU for t3's last minutes),
+# then recomputes each tier's llama.cpp greedy references (reference.py, CPU)
+# as soon as that tier is exported.
 set -euo pipefail
 WORK=${1:-/tmp/mesh-train}
-MINUTES=${MINUTES:-10}
-EXAMPLES=${EXAMPLES:-400000}
-mkdir -p "$WORK"
+EXAMPLES=${EXAMPLES:-600000}
+MIN_T1=${MIN_T1:-5}
+MIN_T2=${MIN_T2:-6}
+MIN_T3=${MIN_T3:-7}
+REF_TIMEOUT=${REF_TIMEOUT:-240}
+COPY_TO=${COPY_TO:-}   # where finished artefacts go as soon as they exist (GGUFs split at 15 MiB)
+mkdir -p "$WORK/fixtures"
 python3 -c 'import torch; print("torch", torch.__version__, "cuda", torch.cuda.is_available())'
 [ -f "$WORK/data/tokens.npy" ] || python3 models/recipe/train.py data --out "$WORK/data" --examples "$EXAMPLES"
-for t in t1 t2 t3; do
-  python3 models/recipe/train.py fit --tier $t --data "$WORK/data" --out "$WORK/$t" --minutes "$MINUTES" \
-    > "$WORK/$t.out" 2>&1 &
-done
+publish() {
+  [ -n "$COPY_TO" ] || return 0
+  local t=$1
+  mkdir -p "$COPY_TO/$t"
+  cp "$WORK/$t.out" "$WORK/$t/train.log" "$COPY_TO/$t/" 2>/dev/null || true
+  cp "$WORK/fixtures/greedy-$t.json" "$COPY_TO/$t/" 2>/dev/null || true
+  [ -f "$WORK/$t/$t-q8_0.gguf" ] && split -b 15M "$WORK/$t/$t-q8_0.gguf" "$COPY_TO/$t/$t-q8_0.gguf.part-"
+  return 0
+}
+tier() {
+  local t=$1 minutes=$2
+  python3 models/recipe/train.py fit --tier "$t" --data "$WORK/data" --out "$WORK/$t" --minutes "$minutes" \
+    --compile --eval-n 50 > "$WORK/$t.out" 2>&1
+  cp "$WORK/$t/greedy.json" "$WORK/fixtures/greedy-$t.json"
+  publish "$t"
+  timeout "$REF_TIMEOUT" python3 models/recipe/reference.py --tier "$t" --models "$WORK/$t" \
+    --fixtures "$WORK/fixtures" --threads 4 >> "$WORK/$t.out" 2>&1 || echo "[$t] reference.py did not finish" >> "$WORK/$t.out"
+  [ -z "$COPY_TO" ] || rm -rf "${COPY_TO:?}/$t"
+  publish "$t"
+}
+tier t1 "$MIN_T1" &
+tier t2 "$MIN_T2" &
+tier t3 "$MIN_T3" &
 wait
-tail -n 12 "$WORK"/t?.out
+tail -n 14 "$WORK"/t?.out

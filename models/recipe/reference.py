@@ -724,7 +724,7 @@ class GgmlCpu:
 
 
 def run_tier(tier: str, models: str, fixtures: str, modes: list[str], cases: list[int] | None,
-             write: bool) -> None:
+             write: bool, shard: tuple[int, int] | None = None, shard_out: str | None = None) -> None:
     import torch
 
     path = os.path.join(fixtures, f"greedy-{tier}.json")
@@ -735,6 +735,9 @@ def run_tier(tier: str, models: str, fixtures: str, modes: list[str], cases: lis
     max_new = int(fx["max_new"])
     emu = GgmlCpu(model, cfg)
     idx = cases if cases is not None else list(range(len(fx["cases"])))
+    if shard is not None:
+        idx = [i for i in idx if i % shard[1] == shard[0]]
+    done: dict[str, dict] = {}
     t0 = time.time()
     agree = {m: 0 for m in modes}
     for n, i in enumerate(idx):
@@ -754,10 +757,18 @@ def run_tier(tier: str, models: str, fixtures: str, modes: list[str], cases: lis
         if "ggml" in modes:
             line += f" min-gap {min(case['ggml_gap']):.4g}"
         print(line, flush=True)
+        if shard_out:
+            # Rewritten after every case, so a run cut short keeps what it finished.
+            done[str(i)] = {k: case[k] for k in ("q8w", "ggml", "ggml_gap") if k in case}
+            with open(shard_out + ".tmp", "w") as f:
+                json.dump({"tier": tier, "cases": done}, f, separators=(",", ":"))
+            os.replace(shard_out + ".tmp", shard_out)
     summary = ", ".join(f"{m} == fp32 on {agree[m]}/{len(idx)}" for m in modes)
     if "ggml" in modes and "q8w" in modes:
         summary += f", ggml == q8w on {sum(fx['cases'][i]['ggml'] == fx['cases'][i]['q8w'] for i in idx)}/{len(idx)}"
     print(f"[{tier}] {summary}", flush=True)
+    if shard_out:
+        return
     if write:
         if cases is not None:
             print(f"[{tier}] --cases given: {path} not written", flush=True)
@@ -776,7 +787,13 @@ def main() -> None:
     ap.add_argument("--cases", default=None, help="comma-separated case indices (implies no write)")
     ap.add_argument("--no-write", action="store_true", help="print agreement only, leave the fixtures alone")
     ap.add_argument("--threads", type=int, default=1, help="torch CPU threads")
+    ap.add_argument("--shard", default=None, help="K/N: only cases with index %% N == K (parallel runs)")
+    ap.add_argument("--shard-out", default=None, help="write this shard's references to FILE instead of the fixture")
+    ap.add_argument("--merge", nargs="+", default=None, help="shard files to merge into the fixtures, then exit")
     a = ap.parse_args()
+    if a.merge:
+        merge_shards(a.merge, a.fixtures)
+        return
     import torch
 
     torch.set_num_threads(a.threads)
@@ -788,8 +805,27 @@ def main() -> None:
     cases = [int(c) for c in a.cases.split(",")] if a.cases else None
     if "ggml" in modes:
         print(check_libm(), flush=True)
+    shard = tuple(int(x) for x in a.shard.split("/")) if a.shard else None
     for tier in a.tier or sorted(TIERS):
-        run_tier(tier, a.models, a.fixtures, modes, cases, not a.no_write)
+        run_tier(tier, a.models, a.fixtures, modes, cases, not a.no_write, shard, a.shard_out)
+
+
+def merge_shards(files: list[str], fixtures: str) -> None:
+    """Adds the references of `--shard-out` files to the fixtures they belong to."""
+    by_tier: dict[str, dict[str, dict]] = {}
+    for p in files:
+        with open(p) as f:
+            d = json.load(f)
+        by_tier.setdefault(d["tier"], {}).update(d["cases"])
+    for tier, cases in sorted(by_tier.items()):
+        path = os.path.join(fixtures, f"greedy-{tier}.json")
+        with open(path) as f:
+            fx = json.load(f)
+        for i, fields in cases.items():
+            fx["cases"][int(i)].update(fields)
+        with open(path, "w") as f:
+            json.dump(fx, f, separators=(",", ":"))
+        print(f"[{tier}] merged {len(cases)}/{len(fx['cases'])} cases into {path}", flush=True)
 
 
 if __name__ == "__main__":

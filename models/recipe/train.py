@@ -244,6 +244,13 @@ def cmd_fit(a) -> None:
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.1, fused=dev.type == "cuda")
     toks_t = torch.from_numpy(toks.astype(np.int64))
     mask_t = torch.from_numpy(mask.astype(np.bool_))
+    fwd = model
+    if a.compile and dev.type == "cuda":
+        try:
+            fwd = torch.compile(model)
+            say("torch.compile on")
+        except Exception as e:  # noqa: BLE001 - eager still trains, only slower
+            say(f"torch.compile unavailable ({e}); eager")
     budget = a.minutes * 60.0
     t0 = time.time()
     step, seen = 0, 0
@@ -260,7 +267,14 @@ def cmd_fit(a) -> None:
         idx = off[:, None] + torch.arange(seq + 1)[None, :]
         x, m = toks_t[idx].to(dev, non_blocking=True), mask_t[idx].to(dev, non_blocking=True)
         with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=dev.type == "cuda"):
-            logits = model(x[:, :-1])
+            try:
+                logits = fwd(x[:, :-1])
+            except Exception as e:  # noqa: BLE001 - a failed compile falls back to eager
+                if fwd is model:
+                    raise
+                say(f"compiled forward failed ({type(e).__name__}: {e}); eager")
+                fwd = model
+                logits = fwd(x[:, :-1])
         loss_all = F.cross_entropy(logits.float().reshape(-1, cfg.vocab), x[:, 1:].reshape(-1), reduction="none")
         mm = m[:, 1:].reshape(-1).float()
         loss = (loss_all * mm).sum() / mm.sum().clamp(min=1)
@@ -474,6 +488,7 @@ def main() -> None:
     f.add_argument("--init", default="", help="start from the weights of this GGUF (continued training)")
     f.add_argument("--lr", type=float, default=0.0, help="peak learning rate (default: the tier's)")
     f.add_argument("--eval-n", type=int, default=100)
+    f.add_argument("--compile", action="store_true", help="torch.compile the model (CUDA only)")
     a = ap.parse_args()
     {"data": cmd_data, "fit": cmd_fit}[a.cmd](a)
 

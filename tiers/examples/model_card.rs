@@ -41,18 +41,14 @@ use std::collections::BTreeMap;
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
-use mesh_tiers::chat::ToolSpec;
 use mesh_tiers::grammar::tool_call_grammar;
 use mesh_tiers::{Engine, EngineConfig, FinishReason, GenerateRequest, TokenEvent};
 use serde_json::{json, Value};
 use tokio::sync::mpsc::UnboundedReceiver;
 use tokio::task::JoinSet;
 
-const THINK: &str = "<think>";
-const END_THINK: &str = "</think>";
-const CALL: &str = "<tool_call>";
-const END_CALL: &str = "</tool_call>";
-const END: &str = "<|end|>";
+use mesh_tiers::chat::CALL;
+use mesh_tiers::eval::{self, call_name, offered_tools, parse_calls, reasoning, Task};
 
 struct Args {
     tiers: Vec<String>,
@@ -120,67 +116,8 @@ fn parse_args() -> Args {
     a
 }
 
-/// One held-out task.
-struct Task {
-    kind: String,
-    sub: String,
-    split: String,
-    prompt: String,
-    completion: String,
-}
-
-fn load_tasks(path: &PathBuf) -> Vec<Task> {
-    let text = std::fs::read_to_string(path).unwrap_or_else(|e| {
-        panic!(
-            "{}: {e} (write it with models/recipe/evalset.py)",
-            path.display()
-        )
-    });
-    text.lines()
-        .filter(|l| !l.trim().is_empty())
-        .map(|l| {
-            let v: Value = serde_json::from_str(l).expect("eval line is JSON");
-            let s = |k: &str| {
-                v[k].as_str()
-                    .unwrap_or_else(|| panic!("eval line lacks {k}"))
-                    .to_owned()
-            };
-            Task {
-                kind: s("kind"),
-                sub: s("sub"),
-                split: s("split"),
-                prompt: s("prompt"),
-                completion: s("completion"),
-            }
-        })
-        .collect()
-}
-
-/// `parse_calls()` of train.py: one entry per `<tool_call>`, `None` when its body is not JSON.
-fn parse_calls(text: &str) -> Vec<Option<Value>> {
-    text.split(CALL)
-        .skip(1)
-        .map(|part| {
-            let body = part.split(END_CALL).next().unwrap_or("");
-            serde_json::from_str::<Value>(body).ok()
-        })
-        .collect()
-}
-
-/// Text after the last `</think>` (the whole text when there is none).
-fn answer_text(text: &str) -> &str {
-    text.rsplit(END_THINK).next().unwrap_or(text)
-}
-
-/// Text between the first `<think>` and the following `</think>` (to the end when unclosed).
-fn reasoning(text: &str) -> Option<&str> {
-    let start = text.find(THINK)? + THINK.len();
-    let rest = &text[start..];
-    Some(rest.find(END_THINK).map_or(rest, |e| &rest[..e]))
-}
-
-fn call_name(c: &Option<Value>) -> Option<&str> {
-    c.as_ref()?.get("name")?.as_str()
+fn load_tasks(path: &std::path::Path) -> Vec<Task> {
+    eval::load_tasks(path).unwrap_or_else(|e| panic!("{e}"))
 }
 
 /// What one greedy run gave and how it scores.
@@ -207,9 +144,7 @@ fn score(
 ) -> Scored {
     let want = parse_calls(&task.completion);
     let got = parse_calls(text);
-    let expected_answer = answer_text(&task.completion).replace(END, "");
-    let exact =
-        want == got && (!want.is_empty() || answer_text(text).trim() == expected_answer.trim());
+    let exact = eval::exact(task, text);
     let offered: Vec<String> = offered_tools(&task.prompt)
         .into_iter()
         .map(|t| t.name)
@@ -598,18 +533,6 @@ fn write_card(a: &Args, card: &Value) {
     )
     .unwrap_or_else(|e| panic!("{}: {e}", a.out.display()));
     eprintln!("wrote {}", a.out.display());
-}
-
-/// The tools a prompt offers (its `<tools>` block, one JSON schema per line).
-fn offered_tools(prompt: &str) -> Vec<ToolSpec> {
-    let block = prompt
-        .split_once("<tools>\n")
-        .and_then(|(_, rest)| rest.split_once("\n</tools>"))
-        .map_or("", |(b, _)| b);
-    block
-        .lines()
-        .map(|l| serde_json::from_str(l).expect("tool schema line is JSON"))
-        .collect()
 }
 
 /// Greedy decoding of every task with `parallel` requests in flight, scored per group.

@@ -18,6 +18,7 @@ use llama_cpp_2::token::LlamaToken;
 use tokio::sync::mpsc;
 use tracing::{debug, warn};
 
+use crate::chat;
 use crate::kvcache::{KvCache, PromptPages, ReuseStats};
 use crate::plan::{self, SlotView, Work};
 use crate::stop::StopMatcher;
@@ -78,6 +79,10 @@ pub struct EngineStats {
     pub steps: AtomicU64,
     /// Requests dropped because their receiver went away.
     pub cancelled: AtomicU64,
+    /// Tokens generated inside `<think>`.
+    pub reasoning_tokens: AtomicU64,
+    /// Think blocks the reasoning governor closed.
+    pub reasoning_capped: AtomicU64,
 }
 
 /// What a loaded model is.
@@ -377,6 +382,10 @@ struct Slot {
     pending: Option<LlamaToken>,
     generated: usize,
     utf8: Vec<u8>,
+    /// Inside `<think>` (reasoning governor state).
+    thinking: bool,
+    reasoning_tokens: usize,
+    reasoning_capped: bool,
 }
 
 struct Loop<'m> {
@@ -394,6 +403,8 @@ struct Loop<'m> {
     kv: Option<KvCache>,
     /// Pages some running sequence will publish when its prompt is prefilled (refcounts).
     pending: std::collections::HashMap<mesh_kvstore::PageId, usize>,
+    /// `<think>` and `</think>` when each is one token of this vocabulary.
+    think: Option<(LlamaToken, LlamaToken)>,
 }
 
 impl<'m> Loop<'m> {
@@ -419,6 +430,7 @@ impl<'m> Loop<'m> {
             batch: LlamaBatch::new(cfg.n_batch as usize, 1),
             kv,
             pending: std::collections::HashMap::new(),
+            think: think_tokens(model),
         }
     }
 
@@ -534,6 +546,9 @@ impl<'m> Loop<'m> {
                 pending: None,
                 generated: 0,
                 utf8: Vec::new(),
+                thinking: false,
+                reasoning_tokens: 0,
+                reasoning_capped: false,
             });
             self.next_age += 1;
         }
@@ -718,7 +733,32 @@ impl<'m> Loop<'m> {
         let margin = top2_margin(self.ctx.get_logits_ith(row));
         let model = self.model;
         let s = self.slots[slot].as_mut().expect("sampled slot exists");
-        let tok = s.sampler.sample(&self.ctx, row);
+        let tok = match self.think {
+            // Reasoning governor: the budget is spent, so close the think block in place
+            // of whatever the model would have said next.
+            Some((_, close))
+                if s.thinking
+                    && s.req
+                        .reasoning_budget
+                        .is_some_and(|b| s.reasoning_tokens >= b) =>
+            {
+                s.sampler.accept(close);
+                s.reasoning_capped = true;
+                self.stats.reasoning_capped.fetch_add(1, Ordering::Relaxed);
+                close
+            }
+            _ => s.sampler.sample(&self.ctx, row),
+        };
+        if let Some((open, close)) = self.think {
+            if tok == open {
+                s.thinking = true;
+            } else if tok == close {
+                s.thinking = false;
+            } else if s.thinking {
+                s.reasoning_tokens += 1;
+                self.stats.reasoning_tokens.fetch_add(1, Ordering::Relaxed);
+            }
+        }
         s.generated += 1;
         self.stats.generated_tokens.fetch_add(1, Ordering::Relaxed);
         let eog = model.vocab().is_eog(tok);
@@ -761,6 +801,8 @@ impl<'m> Loop<'m> {
                 let usage = Usage {
                     prompt_tokens: s.req.prompt.len(),
                     completion_tokens: s.generated,
+                    reasoning_tokens: s.reasoning_tokens,
+                    reasoning_capped: s.reasoning_capped,
                 };
                 // Free before reporting, so a caller that sees Done also sees the slot free.
                 let s = self.free(slot).expect("slot exists");
@@ -773,6 +815,15 @@ impl<'m> Loop<'m> {
             None => s.pending = Some(tok),
         }
     }
+}
+
+/// `<think>` and `</think>` as token ids, when the vocabulary has each as one token.
+fn think_tokens(model: &LlamaModel) -> Option<(LlamaToken, LlamaToken)> {
+    let one = |s: &str| match model.vocab().tokenize(s.as_bytes(), false, true)[..] {
+        [t] => Some(t),
+        _ => None,
+    };
+    Some((one(chat::THINK)?, one(chat::END_THINK)?))
 }
 
 /// Difference between the two largest logits (= their log-probability gap).

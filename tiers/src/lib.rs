@@ -19,21 +19,25 @@
 //!
 //! Decision logic that needs no model lives in plain modules with unit tests:
 //! [`plan`] (what goes into the next batch), [`stop`] (stop strings),
-//! [`chat`] (prompt rendering and output parsing for the bundled chat format).
+//! [`chat`] (prompt rendering and output parsing for the bundled chat format),
+//! [`cascade`] (when a tier's answer is kept or escalated; the reasoning budget).
 //! [`actor`] wraps an engine in a supervised ractor actor.
 //!
 //! Caveat: llama.cpp's backend is process-global; [`backend`] initialises it
 //! once.
 
 pub mod actor;
+pub mod cascade;
 pub mod chat;
 mod config;
 mod engine;
 mod error;
+pub mod eval;
 pub mod grammar;
 pub mod kvcache;
 pub mod plan;
 mod request;
+pub mod speculative;
 pub mod stop;
 
 pub use config::{EngineConfig, KvPagesConfig, KvType};

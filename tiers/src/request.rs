@@ -47,6 +47,10 @@ pub struct GenerateRequest {
     /// Who may reuse this request's prefix KV pages: pages are shared only between
     /// requests with the same scope (the gateway uses the offered tool set).
     pub cache_scope: String,
+    /// Reasoning governor: at most this many tokens inside `<think>`; when they are
+    /// spent the engine emits `</think>` itself and the model goes on to its answer.
+    /// `None` = no cap. Needs a model with single-token think markers.
+    pub reasoning_budget: Option<usize>,
 }
 
 /// Why a generation ended.
@@ -68,6 +72,12 @@ pub struct Usage {
     pub prompt_tokens: usize,
     /// Generated tokens.
     pub completion_tokens: usize,
+    /// Generated tokens inside `<think>`...`</think>` (markers excluded).
+    #[serde(default)]
+    pub reasoning_tokens: usize,
+    /// True when the reasoning governor closed the think block.
+    #[serde(default)]
+    pub reasoning_capped: bool,
 }
 
 /// What the engine streams back for one request.
@@ -92,7 +102,7 @@ pub enum TokenEvent {
     Done {
         /// Why it stopped.
         finish: FinishReason,
-        /// Token counts.
+        /// Token counts (thinking tokens included in `completion_tokens`).
         usage: Usage,
         /// Text released only at the end (a held-back stop-string prefix, or bytes of an
         /// incomplete UTF-8 character).

@@ -64,6 +64,7 @@ struct Outcome {
     text: String,
     finish: Option<FinishReason>,
     error: Option<String>,
+    usage: Option<mesh_tiers::Usage>,
 }
 
 async fn collect(mut rx: tokio::sync::mpsc::UnboundedReceiver<TokenEvent>) -> Outcome {
@@ -72,6 +73,7 @@ async fn collect(mut rx: tokio::sync::mpsc::UnboundedReceiver<TokenEvent>) -> Ou
         text: String::new(),
         finish: None,
         error: None,
+        usage: None,
     };
     while let Some(ev) = tokio::time::timeout(Duration::from_secs(120), rx.recv())
         .await
@@ -83,9 +85,14 @@ async fn collect(mut rx: tokio::sync::mpsc::UnboundedReceiver<TokenEvent>) -> Ou
                 o.tokens.push(id);
                 o.text.push_str(&text);
             }
-            TokenEvent::Done { finish, tail, .. } => {
+            TokenEvent::Done {
+                finish,
+                tail,
+                usage,
+            } => {
                 o.text.push_str(&tail);
                 o.finish = Some(finish);
+                o.usage = Some(usage);
                 break;
             }
             TokenEvent::Error(e) => {
@@ -287,4 +294,55 @@ async fn grammar_makes_tool_calls_parse() {
     assert_eq!(parsed.tool_calls.len(), 1, "{}", o.text);
     assert_eq!(parsed.tool_calls[0].name, "weather_get_forecast");
     assert_eq!(parsed.tool_calls[0].arguments["city"], "Oslo");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn reasoning_governor_closes_the_think_block() {
+    let e = engine(4, 16);
+    let open = *e.tokenize(chat::THINK).last().unwrap();
+    let close = *e.tokenize(chat::END_THINK).last().unwrap();
+    let hard = prompts("hard", 3);
+    assert!(!hard.is_empty(), "fixture has hard prompts");
+    for p in hard {
+        let free = collect(e.submit(req(p.clone(), 96)).unwrap()).await;
+        let u = free.usage.expect("done");
+        let at = |toks: &[i32], t: i32| toks.iter().position(|&x| x == t);
+        let (o, c) = (at(&free.tokens, open), at(&free.tokens, close));
+        let (o, c) = (
+            o.expect("hard prompts make the model reason"),
+            c.expect("closed"),
+        );
+        assert_eq!(u.reasoning_tokens, c - o - 1, "think tokens counted");
+        assert!(u.reasoning_tokens > 3);
+        assert!(!u.reasoning_capped);
+
+        let budget = 3;
+        let capped = collect(
+            e.submit(GenerateRequest {
+                reasoning_budget: Some(budget),
+                ..req(p.clone(), 96)
+            })
+            .unwrap(),
+        )
+        .await;
+        let u = capped.usage.expect("done");
+        assert!(u.reasoning_capped);
+        assert_eq!(u.reasoning_tokens, budget);
+        // The think block holds the first `budget` tokens of the free run's, then the
+        // governor's `</think>`, then the model answers.
+        assert_eq!(capped.tokens[..=o + budget], free.tokens[..=o + budget]);
+        assert_eq!(capped.tokens[o + budget + 1], close);
+        assert!(
+            capped.tokens.len() > o + budget + 3,
+            "an answer follows: {:?}",
+            capped.text
+        );
+        assert_eq!(capped.finish, Some(FinishReason::Stop));
+    }
+    assert!(
+        e.stats()
+            .reasoning_capped
+            .load(std::sync::atomic::Ordering::Relaxed)
+            >= 1
+    );
 }

@@ -4,6 +4,7 @@ use std::io::{BufRead, BufReader};
 use std::process::{Child, Command, Stdio};
 
 /// A `mesh up` process hosting the bundled t1 on a free port; killed on drop.
+#[allow(dead_code)] // only the process-level tests start child processes
 pub(crate) struct MeshProcess {
     /// The child.
     pub(crate) child: Child,
@@ -11,6 +12,7 @@ pub(crate) struct MeshProcess {
     pub(crate) base: String,
 }
 
+#[allow(dead_code)]
 impl MeshProcess {
     /// Starts `mesh up --port 0 --only t1` with these extra environment variables and waits for
     /// the address it prints.
@@ -65,4 +67,21 @@ impl MeshProcess {
         let _ = self.child.kill();
         let _ = self.child.wait();
     }
+}
+
+/// Starts a node in this process; it runs until the returned sender is dropped or fired.
+/// Returns `http://ADDR` and the stop handle.
+#[allow(dead_code)] // not every test binary that includes this module starts in-process nodes
+pub(crate) async fn in_process(
+    cfg: mesh::config::NodeConfig,
+) -> (String, tokio::sync::oneshot::Sender<()>) {
+    let (tx, rx) = tokio::sync::oneshot::channel::<()>();
+    let running = mesh::start(cfg, async move {
+        let _ = rx.await;
+    })
+    .await
+    .expect("node starts");
+    let base = format!("http://{}", running.addr);
+    tokio::spawn(running.wait());
+    (base, tx)
 }

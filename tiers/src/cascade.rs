@@ -1,0 +1,374 @@
+//! Tier cascade policy: answer at the cheapest tier whose output is confident.
+//!
+//! A request addressed to the cascade runs on the first tier of
+//! [`CascadePolicy::tiers`]; [`assess`] reads that tier's output and the per-token
+//! logit margins the engine streams ([`crate::TokenEvent::Token::margin`]) and
+//! decides whether to keep the answer or escalate to the next tier. The last tier's
+//! answer is always kept. Thresholds live in the policy (a file the operator and
+//! the tuner edit), not in code.
+//!
+//! Signals, in order:
+//! 1. the output must be well formed: every `<tool_call>` body parses as a call,
+//!    the think block is closed, and no call names a tool the prompt did not offer;
+//! 2. the router's confidence (top-1 score of the tool router) when the agent
+//!    layer supplies one: below `min_router_score` the first tier is skipped;
+//! 3. the smallest top-1/top-2 logit margin over the generated tokens (excluding
+//!    the end token): a tier that was close to saying something else at any token
+//!    of its answer is not trusted with it.
+
+use serde::{Deserialize, Serialize};
+
+use crate::chat;
+
+/// Cascade thresholds and tier order.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct CascadePolicy {
+    /// Model id clients use to address the cascade.
+    pub model: String,
+    /// Tiers from cheapest to largest.
+    pub tiers: Vec<String>,
+    /// Accept a tier's answer only when every generated token won by at least this
+    /// logit margin over the runner-up (per tier; a missing entry uses the last one).
+    pub min_margin: Vec<f32>,
+    /// Escalate on a malformed or unterminated call, an unclosed think block or a call
+    /// naming a tool that was not offered.
+    pub require_valid_calls: bool,
+    /// With a router confidence below this, start at the second tier.
+    pub min_router_score: f32,
+}
+
+impl Default for CascadePolicy {
+    fn default() -> Self {
+        Self {
+            model: "cascade".into(),
+            tiers: vec!["t1".into(), "t2".into(), "t3".into()],
+            min_margin: vec![4.0, 3.0],
+            require_valid_calls: true,
+            min_router_score: 0.0,
+        }
+    }
+}
+
+impl CascadePolicy {
+    /// Margin threshold for the tier at `index`.
+    pub fn margin_for(&self, index: usize) -> f32 {
+        self.min_margin
+            .get(index)
+            .or(self.min_margin.last())
+            .copied()
+            .unwrap_or(0.0)
+    }
+
+    /// Checks the policy makes sense.
+    pub fn validate(&self) -> Result<(), String> {
+        if self.tiers.is_empty() {
+            return Err("cascade.tiers must name at least one tier".into());
+        }
+        if self.model.is_empty() {
+            return Err("cascade.model must not be empty".into());
+        }
+        if self.tiers.iter().any(|t| t == &self.model) {
+            return Err(format!(
+                "cascade.model `{}` must differ from the tier names",
+                self.model
+            ));
+        }
+        if self.min_margin.iter().any(|m| !m.is_finite() || *m < 0.0) {
+            return Err("cascade.min_margin values must be finite and >= 0".into());
+        }
+        Ok(())
+    }
+}
+
+/// Why a tier's answer was kept or passed on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Verdict {
+    /// Confident: keep it.
+    Accept,
+    /// The last tier answers whatever it says.
+    LastTier,
+    /// A call did not parse or was never closed.
+    MalformedCall,
+    /// A call named a tool the prompt did not offer.
+    UnknownTool,
+    /// The think block was never closed.
+    UnclosedThink,
+    /// Some token won by less than the tier's margin threshold.
+    LowMargin,
+    /// The router was not confident enough to let the first tier try.
+    LowRouterScore,
+    /// The generation hit its token limit.
+    Truncated,
+}
+
+impl Verdict {
+    /// Whether the answer is kept.
+    pub fn kept(self) -> bool {
+        matches!(self, Verdict::Accept | Verdict::LastTier)
+    }
+
+    /// Label for metrics and responses.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Verdict::Accept => "accept",
+            Verdict::LastTier => "last_tier",
+            Verdict::MalformedCall => "malformed_call",
+            Verdict::UnknownTool => "unknown_tool",
+            Verdict::UnclosedThink => "unclosed_think",
+            Verdict::LowMargin => "low_margin",
+            Verdict::LowRouterScore => "low_router_score",
+            Verdict::Truncated => "truncated",
+        }
+    }
+}
+
+/// The assessment of one tier's output.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Assessment {
+    /// Keep or escalate, and why.
+    pub verdict: Verdict,
+    /// Smallest margin over the generated tokens (`inf` when nothing was generated).
+    pub min_margin: f32,
+}
+
+/// One tier's output as the cascade sees it.
+#[derive(Debug, Clone, Copy)]
+pub struct Output<'a> {
+    /// Generated text (special tokens rendered, end token excluded).
+    pub text: &'a str,
+    /// Margin of each generated token, the end token included as the last entry when
+    /// the generation stopped on it.
+    pub margins: &'a [f32],
+    /// The generation ended on its token limit.
+    pub truncated: bool,
+}
+
+/// Decides whether the tier at `index` keeps its answer.
+pub fn assess(
+    policy: &CascadePolicy,
+    index: usize,
+    out: Output<'_>,
+    offered: &[&str],
+) -> Assessment {
+    let min_margin = out.margins.iter().copied().fold(f32::INFINITY, f32::min);
+    let last = index + 1 >= policy.tiers.len();
+    let verdict = if last {
+        Verdict::LastTier
+    } else if out.truncated {
+        Verdict::Truncated
+    } else if let Some(bad) = policy
+        .require_valid_calls
+        .then(|| structure(out.text, offered))
+        .flatten()
+    {
+        bad
+    } else if min_margin < policy.margin_for(index) {
+        Verdict::LowMargin
+    } else {
+        Verdict::Accept
+    };
+    Assessment {
+        verdict,
+        min_margin,
+    }
+}
+
+/// The first structural problem of an output, if any.
+fn structure(text: &str, offered: &[&str]) -> Option<Verdict> {
+    let trimmed = text.trim_start();
+    if trimmed.starts_with(chat::THINK) && !trimmed.contains(chat::END_THINK) {
+        return Some(Verdict::UnclosedThink);
+    }
+    let parsed = chat::parse_output(text);
+    let opened = text.matches(chat::CALL).count();
+    let closed = text.matches(chat::END_CALL).count();
+    if parsed.malformed_calls > 0 || opened != closed {
+        return Some(Verdict::MalformedCall);
+    }
+    if parsed
+        .tool_calls
+        .iter()
+        .any(|c| !offered.contains(&c.name.as_str()))
+    {
+        return Some(Verdict::UnknownTool);
+    }
+    None
+}
+
+/// Where the cascade starts for a request, given the router's confidence (if any).
+pub fn first_tier(policy: &CascadePolicy, router_score: Option<f32>) -> (usize, Option<Verdict>) {
+    match router_score {
+        Some(s) if s < policy.min_router_score && policy.tiers.len() > 1 => {
+            (1, Some(Verdict::LowRouterScore))
+        }
+        _ => (0, None),
+    }
+}
+
+/// Reasoning-token budget policy: `min(max, base + per_confidence * confidence)`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct ReasoningPolicy {
+    /// Budget floor (confidence 0).
+    pub base: usize,
+    /// Added per unit of confidence.
+    pub per_confidence: usize,
+    /// Hard cap.
+    pub max: usize,
+    /// Budget when no confidence is known (`None` = no cap).
+    pub default_budget: Option<usize>,
+}
+
+impl Default for ReasoningPolicy {
+    fn default() -> Self {
+        Self {
+            base: 256,
+            per_confidence: 4 * 1024,
+            max: 4096,
+            default_budget: None,
+        }
+    }
+}
+
+impl ReasoningPolicy {
+    /// Budget for a request: its own override first, then the confidence formula,
+    /// then the default.
+    pub fn budget(&self, requested: Option<usize>, confidence: Option<f32>) -> Option<usize> {
+        if requested.is_some() {
+            return requested;
+        }
+        match confidence {
+            Some(c) => {
+                let c = c.clamp(0.0, 1.0);
+                Some(
+                    self.max
+                        .min(self.base + (self.per_confidence as f32 * c) as usize),
+                )
+            }
+            None => self.default_budget,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn out<'a>(text: &'a str, margins: &'a [f32]) -> Output<'a> {
+        Output {
+            text,
+            margins,
+            truncated: false,
+        }
+    }
+
+    const CALL: &str =
+        r#"<tool_call>{"name": "get_weather", "arguments": {"city": "Oslo"}}</tool_call>"#;
+
+    #[test]
+    fn confident_wellformed_answer_is_kept() {
+        let p = CascadePolicy::default();
+        let a = assess(&p, 0, out(CALL, &[9.0, 7.5, 12.0]), &["get_weather"]);
+        assert_eq!(a.verdict, Verdict::Accept);
+        assert_eq!(a.min_margin, 7.5);
+    }
+
+    #[test]
+    fn one_close_token_escalates() {
+        let p = CascadePolicy::default();
+        let a = assess(&p, 0, out(CALL, &[9.0, 0.5, 12.0]), &["get_weather"]);
+        assert_eq!(a.verdict, Verdict::LowMargin);
+        // The second tier has its own (lower) threshold.
+        let a = assess(&p, 1, out(CALL, &[9.0, 3.5, 12.0]), &["get_weather"]);
+        assert_eq!(a.verdict, Verdict::Accept);
+    }
+
+    #[test]
+    fn structure_problems_escalate_whatever_the_margin() {
+        let p = CascadePolicy::default();
+        let m = [50.0];
+        let unknown = assess(&p, 0, out(CALL, &m), &["get_time"]);
+        assert_eq!(unknown.verdict, Verdict::UnknownTool);
+        let broken = assess(
+            &p,
+            0,
+            out(r#"<tool_call>{"name": "get_weather""#, &m),
+            &["get_weather"],
+        );
+        assert_eq!(broken.verdict, Verdict::MalformedCall);
+        let think = assess(&p, 0, out("<think>12 * 4 = 48", &m), &[]);
+        assert_eq!(think.verdict, Verdict::UnclosedThink);
+        let truncated = assess(
+            &p,
+            0,
+            Output {
+                text: "ok",
+                margins: &m,
+                truncated: true,
+            },
+            &[],
+        );
+        assert_eq!(truncated.verdict, Verdict::Truncated);
+    }
+
+    #[test]
+    fn last_tier_always_answers() {
+        let p = CascadePolicy::default();
+        let a = assess(&p, 2, out("<tool_call>{", &[0.0]), &[]);
+        assert_eq!(a.verdict, Verdict::LastTier);
+        assert!(a.verdict.kept());
+    }
+
+    #[test]
+    fn plain_answers_need_no_calls() {
+        let p = CascadePolicy::default();
+        let a = assess(
+            &p,
+            0,
+            out("None of the available tools can do that.", &[8.0]),
+            &[],
+        );
+        assert_eq!(a.verdict, Verdict::Accept);
+    }
+
+    #[test]
+    fn router_confidence_can_skip_the_first_tier() {
+        let p = CascadePolicy {
+            min_router_score: 0.5,
+            ..Default::default()
+        };
+        assert_eq!(
+            first_tier(&p, Some(0.3)),
+            (1, Some(Verdict::LowRouterScore))
+        );
+        assert_eq!(first_tier(&p, Some(0.7)), (0, None));
+        assert_eq!(first_tier(&p, None), (0, None));
+    }
+
+    #[test]
+    fn policy_validation() {
+        assert!(CascadePolicy::default().validate().is_ok());
+        let bad = CascadePolicy {
+            model: "t1".into(),
+            ..Default::default()
+        };
+        assert!(bad.validate().is_err());
+        let bad = CascadePolicy {
+            min_margin: vec![f32::NAN],
+            ..Default::default()
+        };
+        assert!(bad.validate().is_err());
+    }
+
+    #[test]
+    fn reasoning_budget_formula() {
+        let r = ReasoningPolicy::default();
+        assert_eq!(r.budget(Some(7), Some(0.9)), Some(7));
+        assert_eq!(r.budget(None, Some(0.0)), Some(256));
+        assert_eq!(r.budget(None, Some(0.5)), Some(256 + 2048));
+        assert_eq!(r.budget(None, Some(1.0)), Some(4096));
+        assert_eq!(r.budget(None, None), None);
+    }
+}
