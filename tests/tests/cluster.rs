@@ -156,7 +156,7 @@ async fn garbage_frames(certs: &Path, target: &str) {
     // A header announcing 64 bytes followed by 10: truncated.
     let (mut send, mut recv) = pc.conn.open_bi().await.unwrap();
     let mut frame = b"MS".to_vec();
-    frame.extend_from_slice(&1u16.to_le_bytes());
+    frame.extend_from_slice(&mesh_transport::WIRE_VERSION.to_le_bytes());
     frame.extend_from_slice(&64u32.to_le_bytes());
     frame.extend_from_slice(&[7u8; 10]);
     send.write_all(&frame).await.unwrap();
@@ -169,7 +169,7 @@ async fn garbage_frames(certs: &Path, target: &str) {
     // Oversized announcement.
     let (mut send, mut recv) = pc.conn.open_bi().await.unwrap();
     let mut frame = b"MS".to_vec();
-    frame.extend_from_slice(&1u16.to_le_bytes());
+    frame.extend_from_slice(&mesh_transport::WIRE_VERSION.to_le_bytes());
     frame.extend_from_slice(&(512u32 << 20).to_le_bytes());
     send.write_all(&frame).await.unwrap();
     let err = recv

@@ -6,7 +6,9 @@
 //!     --eval models/fixtures/eval-heldout.jsonl --out target/cascade-eval.json --md docs/cascade-results.md
 //! ```
 //!
-//! Method (all greedy, free decoding, one request at a time so latencies compare):
+//! Method (all greedy, one request at a time so latencies compare; free decoding, or with
+//! `--grammar` the lazy tool-call grammar the gateway applies by default when tools are
+//! offered — speculative decoding has no grammar support and always decodes freely):
 //!
 //! 1. every task runs on every tier through the crate's [`Engine`]; each run keeps the
 //!    text, the per-token logit margins, the token counts and the wall time;
@@ -32,8 +34,10 @@ use std::time::{Duration, Instant};
 use llama_cpp_2::model::params::LlamaModelParams;
 use llama_cpp_2::model::LlamaModel;
 use mesh_tiers::cascade::{assess, CascadePolicy, Output};
+use mesh_tiers::chat::CALL;
 use mesh_tiers::eval::{self, Task};
-use mesh_tiers::speculative::{greedy, SpecConfig, Speculative};
+use mesh_tiers::grammar::tool_call_grammar;
+use mesh_tiers::speculative::{greedy_timed, SpecConfig, Speculative};
 use mesh_tiers::{backend, Engine, EngineConfig, FinishReason, GenerateRequest, TokenEvent};
 use serde_json::{json, Value};
 
@@ -47,6 +51,9 @@ struct Args {
     max_tokens: usize,
     threads: i32,
     limit: usize,
+    k: usize,
+    spec_only: bool,
+    grammar: bool,
 }
 
 fn parse_args() -> Args {
@@ -60,6 +67,9 @@ fn parse_args() -> Args {
         max_tokens: 128,
         threads: 2,
         limit: usize::MAX,
+        k: 4,
+        spec_only: false,
+        grammar: false,
     };
     let mut it = std::env::args().skip(1);
     while let Some(k) = it.next() {
@@ -70,13 +80,24 @@ fn parse_args() -> Args {
             "--out" => a.out = Some(v().into()),
             "--md" => a.md = Some(v().into()),
             "--margins" => a.margins = v().split(',').map(|x| x.parse().expect("margin")).collect(),
-            "--budgets" => a.budgets = v().split(',').map(|x| x.parse().expect("budget")).collect(),
+            "--budgets" => {
+                let b = v();
+                a.budgets = if b == "none" {
+                    vec![]
+                } else {
+                    b.split(',').map(|x| x.parse().expect("budget")).collect()
+                }
+            }
             "--max-tokens" => a.max_tokens = v().parse().expect("max tokens"),
             "--threads" => a.threads = v().parse().expect("threads"),
             "--limit" => a.limit = v().parse().expect("limit"),
+            "--k" => a.k = v().parse().expect("k"),
+            "--spec-only" => a.spec_only = true,
+            "--grammar" => a.grammar = true,
             _ => panic!(
                 "usage: cascade_eval [--tiers t1,t2,t3] [--eval FILE] [--out JSON] [--md FILE] \
-                 [--margins 0,1,2,..] [--budgets 16,8,4] [--max-tokens N] [--threads N] [--limit N]"
+                 [--margins 0,1,2,..] [--budgets 16,8,4] [--max-tokens N] [--threads N] [--limit N] \
+                 [--k N] [--spec-only] [--grammar]"
             ),
         }
     }
@@ -101,8 +122,17 @@ struct Run {
     exact: bool,
 }
 
-async fn run(engine: &Engine, task: &Task, max_tokens: usize, budget: Option<usize>) -> Run {
+async fn run(engine: &Engine, task: &Task, a: &Args, budget: Option<usize>) -> Run {
+    let max_tokens = a.max_tokens;
     let prompt = engine.tokenize(&task.prompt);
+    // The gateway's default for requests that offer tools: a lazy grammar from `<tool_call>` on.
+    let (grammar, grammar_trigger) = if a.grammar {
+        let tools = eval::offered_tools(&task.prompt);
+        let g = tool_call_grammar(&tools).expect("grammar for the offered tools");
+        (Some(g), Some(CALL.to_owned()))
+    } else {
+        (None, None)
+    };
     let n_prompt = prompt.len();
     let t0 = Instant::now();
     let mut rx = engine
@@ -110,6 +140,8 @@ async fn run(engine: &Engine, task: &Task, max_tokens: usize, budget: Option<usi
             prompt,
             max_tokens,
             reasoning_budget: budget,
+            grammar,
+            grammar_trigger,
             ..Default::default()
         })
         .expect("submit");
@@ -147,6 +179,84 @@ async fn run(engine: &Engine, task: &Task, max_tokens: usize, budget: Option<usi
             }
             TokenEvent::Error(e) => panic!("generation failed: {e}"),
         }
+    }
+}
+
+/// Speculative decoding against plain greedy decoding of the largest tier.
+struct SpecReport {
+    json: Value,
+    /// Per task: speculative / plain time, prefill included (tasks that ran).
+    ratio: Vec<Option<f64>>,
+}
+
+fn speculate(a: &Args, tasks: &[Task], select: &[bool], draft_params: f64) -> SpecReport {
+    let last = a.tiers.len() - 1;
+    let load = |tier: &str| {
+        LlamaModel::load_from_file(backend(), model_path(tier), &LlamaModelParams::default())
+            .unwrap_or_else(|e| panic!("{tier}: {e}"))
+    };
+    let (target, draft) = (load(&a.tiers[last]), load(&a.tiers[0]));
+    let cfg = SpecConfig {
+        threads: a.threads,
+        n_seq_max: 1,
+        k_init: a.k,
+        ..Default::default()
+    };
+    let mut spec = Speculative::new(&target, &draft, cfg).expect("speculative contexts");
+    let mut ratio = vec![None; tasks.len()];
+    let (mut plain_decode, mut spec_decode, mut plain_total, mut spec_total) = (0.0, 0.0, 0.0, 0.0);
+    let (mut tokens, mut same, mut n, mut drafted, mut accepted, mut draft_compute) =
+        (0usize, 0usize, 0usize, 0usize, 0usize, 0.0);
+    let mut differ = Vec::new();
+    for (i, t) in tasks.iter().enumerate().filter(|(i, _)| select[*i]) {
+        let p: Vec<i32> = target
+            .vocab()
+            .tokenize(t.prompt.as_bytes(), true, true)
+            .iter()
+            .map(|x| x.0)
+            .collect();
+        let plain = greedy_timed(&target, &p, a.max_tokens, a.threads).expect("greedy");
+        let out = spec
+            .generate(std::slice::from_ref(&p), a.max_tokens)
+            .expect("speculative")
+            .remove(0);
+        plain_decode += plain.decode_s;
+        spec_decode += out.decode_s;
+        plain_total += plain.prefill_s + plain.decode_s;
+        spec_total += out.prefill_s + out.decode_s;
+        // Tokens after the first (which comes from the prefill in both).
+        tokens += plain.tokens.len().saturating_sub(1);
+        if plain.tokens == out.tokens {
+            same += 1;
+        } else {
+            let at = plain
+                .tokens
+                .iter()
+                .zip(&out.tokens)
+                .take_while(|(x, y)| x == y)
+                .count();
+            differ.push(json!({"task": i, "first_difference_at": at}));
+        }
+        n += 1;
+        drafted += out.drafted;
+        accepted += out.accepted;
+        draft_compute += (p.len() + out.drafted) as f64 * draft_params;
+        ratio[i] = Some((out.prefill_s + out.decode_s) / (plain.prefill_s + plain.decode_s));
+    }
+    eprintln!(
+        "speculative: {n} tasks, identical {same}, decode {:.1} vs {:.1} tok/s ({:.2}x), with prefill {:.2}x, acceptance {:.2}",
+        tokens as f64 / spec_decode,
+        tokens as f64 / plain_decode,
+        plain_decode / spec_decode,
+        plain_total / spec_total,
+        accepted as f64 / drafted.max(1) as f64
+    );
+    SpecReport {
+        json: json!({"tasks": n, "identical": same, "differ": differ,
+                     "plain_decode_tok_s": tokens as f64 / plain_decode, "spec_decode_tok_s": tokens as f64 / spec_decode,
+                     "speedup": plain_decode / spec_decode, "speedup_with_prefill": plain_total / spec_total,
+                     "drafted": drafted, "accepted": accepted, "draft_compute": draft_compute, "k_init": a.k}),
+        ratio,
     }
 }
 
@@ -259,6 +369,13 @@ async fn main() {
         k
     };
 
+    if a.spec_only {
+        // Speculative decoding alone, on every task (no cascade selection).
+        let sp = speculate(&a, &tasks, &vec![true; tasks.len()], 0.0);
+        println!("{}", serde_json::to_string_pretty(&sp.json).expect("json"));
+        return;
+    }
+
     // 1. Every task on every tier.
     let mut runs: Vec<Vec<Run>> = Vec::new();
     let mut params = Vec::new();
@@ -277,7 +394,7 @@ async fn main() {
         let t0 = Instant::now();
         let mut rs = Vec::with_capacity(tasks.len());
         for t in &tasks {
-            rs.push(run(&e, t, a.max_tokens, None).await);
+            rs.push(run(&e, t, &a, None).await);
         }
         eprintln!(
             "{tier}: {} tasks in {:.1} s, exact {}",
@@ -347,72 +464,12 @@ async fn main() {
 
     // 3. Speculative decoding for the tasks that reach the last tier.
     drop(engines);
-    let target = LlamaModel::load_from_file(
-        backend(),
-        model_path(&a.tiers[last]),
-        &LlamaModelParams::default(),
-    )
-    .expect("target");
-    let draft = LlamaModel::load_from_file(
-        backend(),
-        model_path(&a.tiers[0]),
-        &LlamaModelParams::default(),
-    )
-    .expect("draft");
-    let mut spec = Speculative::new(
-        &target,
-        &draft,
-        SpecConfig {
-            threads: a.threads,
-            n_seq_max: 1,
-            ..Default::default()
-        },
-    )
-    .expect("speculative contexts");
-    let tok = |t: &Task| -> Vec<i32> {
-        target
-            .vocab()
-            .tokenize(t.prompt.as_bytes(), true, true)
-            .iter()
-            .map(|x| x.0)
-            .collect()
-    };
-    let mut spec_seconds: Vec<Option<f64>> = vec![None; tasks.len()];
-    let (mut plain_s, mut spec_s, mut plain_tokens, mut same, mut n_spec) =
-        (0.0, 0.0, 0usize, 0usize, 0usize);
-    let (mut drafted, mut accepted, mut draft_compute) = (0usize, 0usize, 0.0);
-    for (i, t) in tasks.iter().enumerate() {
-        if !reaches[i] {
-            continue;
-        }
-        let p = tok(t);
-        let t0 = Instant::now();
-        let plain = greedy(&target, &p, a.max_tokens, a.threads).expect("greedy");
-        let ps = t0.elapsed().as_secs_f64();
-        let t0 = Instant::now();
-        let out = spec
-            .generate(std::slice::from_ref(&p), a.max_tokens)
-            .expect("speculative")
-            .remove(0);
-        let ss = t0.elapsed().as_secs_f64();
-        plain_s += ps;
-        spec_s += ss;
-        plain_tokens += plain.len();
-        same += usize::from(plain == out.tokens);
-        n_spec += 1;
-        drafted += out.drafted;
-        accepted += out.accepted;
-        draft_compute += (p.len() + out.drafted) as f64 * params[0];
-        // The cascade's t3 time scaled by this task's measured speed-up.
-        spec_seconds[i] = Some(runs[last][i].seconds * ss / ps);
-    }
+    let sp = speculate(&a, &tasks, &reaches, params[0]);
+    let spec_seconds: Vec<Option<f64>> = (0..tasks.len())
+        .map(|i| sp.ratio[i].map(|r| runs[last][i].seconds * r))
+        .collect();
     let (casc_spec, _) = cascade(&policy, &tasks, &runs, &params, Some(&spec_seconds));
-    eprintln!(
-        "speculative: {n_spec} tasks, identical {same}, {:.1} vs {:.1} tok/s, acceptance {:.2}",
-        plain_tokens as f64 / spec_s,
-        plain_tokens as f64 / plain_s,
-        accepted as f64 / drafted.max(1) as f64
-    );
+    let draft_compute = sp.json["draft_compute"].as_f64().unwrap_or(0.0);
 
     // 4. Reasoning governor on the largest tier.
     let e = Engine::start(EngineConfig {
@@ -428,7 +485,7 @@ async fn main() {
     for &b in &a.budgets {
         let mut t = Tally::default();
         for task in &tasks {
-            let r = run(&e, task, a.max_tokens, Some(b)).await;
+            let r = run(&e, task, &a, Some(b)).await;
             t.thinking += r.thinking;
             t.add(
                 task,
@@ -452,13 +509,12 @@ async fn main() {
         "tiers": a.tiers,
         "params": params,
         "max_tokens": a.max_tokens,
+        "grammar": a.grammar,
         "threads": a.threads,
         "largest_only": only.to_json(),
         "cascade": {"min_margin": chosen, "result": casc.to_json()},
         "cascade_spec": casc_spec.to_json(),
-        "speculative": {"tasks": n_spec, "identical": same, "plain_tok_s": plain_tokens as f64 / plain_s,
-                        "spec_tok_s": plain_tokens as f64 / spec_s, "speedup": plain_s / spec_s,
-                        "drafted": drafted, "accepted": accepted, "draft_compute": draft_compute},
+        "speculative": sp.json,
         "governor": governor,
         "sweep": sweep,
     });
@@ -494,8 +550,9 @@ fn markdown(
     let mut s = String::new();
     let pct = |x: f64| format!("{:.1}%", 100.0 * x);
     s.push_str(&format!(
-        "{} tasks; tiers {}; greedy, at most {} new tokens, {} threads, one request at a time.\n\n",
-        r["tasks"], r["tiers"], r["max_tokens"], r["threads"]
+        "{} tasks; tiers {}; greedy, {}, at most {} new tokens, {} threads, one request at a time.\n\n",
+        r["tasks"], r["tiers"], if r["grammar"] == true { "with the gateway's tool-call grammar" } else { "free decoding" },
+        r["max_tokens"], r["threads"]
     ));
     s.push_str("| mode | ");
     for k in kinds {
@@ -537,10 +594,11 @@ fn markdown(
     let sp = &r["speculative"];
     s.push_str(&format!(
         "\nSpeculative decoding (t1 drafts for the largest tier) on the {} tasks that reach it: \
-         identical output on {}; {:.1} tok/s vs {:.1} tok/s alone ({:.2}x); {} of {} drafted tokens accepted.\n",
-        sp["tasks"], sp["identical"], sp["spec_tok_s"].as_f64().unwrap_or(0.0),
-        sp["plain_tok_s"].as_f64().unwrap_or(0.0), sp["speedup"].as_f64().unwrap_or(0.0),
-        sp["accepted"], sp["drafted"]
+         identical output on {}; decode {:.1} tok/s vs {:.1} tok/s alone ({:.2}x; {:.2}x with the prefill); \
+         {} of {} drafted tokens accepted.\n",
+        sp["tasks"], sp["identical"], sp["spec_decode_tok_s"].as_f64().unwrap_or(0.0),
+        sp["plain_decode_tok_s"].as_f64().unwrap_or(0.0), sp["speedup"].as_f64().unwrap_or(0.0),
+        sp["speedup_with_prefill"].as_f64().unwrap_or(0.0), sp["accepted"], sp["drafted"]
     ));
     s.push_str("\nReasoning governor on the largest tier (all tasks):\n\n| budget | thinking tokens | hard accuracy | all accuracy |\n|---:|---:|---:|---:|\n");
     s.push_str(&format!(

@@ -69,6 +69,10 @@ pub struct SpecOutput {
     pub accepted: usize,
     /// Verification rounds (target decodes after the prompt).
     pub rounds: usize,
+    /// Seconds spent prefilling the prompts (both models; shared by a batch).
+    pub prefill_s: f64,
+    /// Seconds from the end of the prefill to this sequence's last token.
+    pub decode_s: f64,
 }
 
 impl SpecOutput {
@@ -182,13 +186,17 @@ impl<'m> Speculative<'m> {
         }
         self.tctx.clear_kv_cache();
         self.dctx.clear_kv_cache();
+        let t0 = std::time::Instant::now();
         let first = self.prefill(prompts)?;
+        let prefill_s = t0.elapsed().as_secs_f64();
+        let t1 = std::time::Instant::now();
         let mut seqs: Vec<Seq> = prompts
             .iter()
             .zip(first)
             .map(|(p, t)| Seq {
                 out: SpecOutput {
                     tokens: vec![t],
+                    prefill_s,
                     ..Default::default()
                 },
                 pos: p.len(),
@@ -206,6 +214,9 @@ impl<'m> Speculative<'m> {
         while seqs.iter().any(|s| !s.done) {
             self.draft_round(&mut seqs)?;
             self.verify_round(&mut seqs)?;
+            for s in seqs.iter_mut().filter(|s| s.done && s.out.decode_s == 0.0) {
+                s.out.decode_s = t1.elapsed().as_secs_f64();
+            }
         }
         Ok(seqs.into_iter().map(|s| s.out).collect())
     }
@@ -382,6 +393,16 @@ pub fn greedy(
     max_tokens: usize,
     threads: i32,
 ) -> Result<Vec<i32>, TierError> {
+    greedy_timed(model, prompt, max_tokens, threads).map(|o| o.tokens)
+}
+
+/// [`greedy`] with its prefill and decode times (`drafted`/`accepted` stay 0).
+pub fn greedy_timed(
+    model: &LlamaModel,
+    prompt: &[i32],
+    max_tokens: usize,
+    threads: i32,
+) -> Result<SpecOutput, TierError> {
     let cfg = SpecConfig {
         threads,
         n_seq_max: 1,
@@ -394,15 +415,23 @@ pub fn greedy(
             .add(LlamaToken(t), j as i32, &[0], j + 1 == prompt.len())
             .map_err(|e| TierError::Decode(e.to_string()))?;
     }
+    let t0 = std::time::Instant::now();
     ctx.decode(&mut batch)
         .map_err(|e| TierError::Decode(e.to_string()))?;
+    let prefill_s = t0.elapsed().as_secs_f64();
+    let t1 = std::time::Instant::now();
     let mut out = Vec::new();
     let mut pos = prompt.len();
     loop {
         let t = argmax(ctx.get_logits_ith(batch.n_tokens() - 1));
         out.push(t);
         if model.vocab().is_eog(LlamaToken(t)) || out.len() >= max_tokens {
-            return Ok(out);
+            return Ok(SpecOutput {
+                tokens: out,
+                prefill_s,
+                decode_s: t1.elapsed().as_secs_f64(),
+                ..Default::default()
+            });
         }
         batch.clear();
         batch

@@ -24,8 +24,9 @@ use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 
 /// First two bytes of every frame.
 pub const MAGIC: [u8; 2] = *b"MS";
-/// Version of the envelope types this build speaks.
-pub const WIRE_VERSION: u16 = 1;
+/// Version of the envelope types this build speaks (2: `GenerateCall.reasoning_budget` and the
+/// reasoning counts of `Event::Done`).
+pub const WIRE_VERSION: u16 = 2;
 /// Bytes before the payload.
 pub const HEADER_LEN: usize = 8;
 /// Default payload limit of control frames (1 MiB).
