@@ -1,1 +1,29 @@
-//! mesh control layer.
+//! The control layer of mesh: decisions about a request that need no model tier.
+//!
+//! Built today: the **semantic tool router**. An agent may carry hundreds or thousands
+//! of tool schemas; sending all of them costs prompt tokens on every call and makes a
+//! small tier pick the wrong tool. The router embeds each tool once
+//! ([`embed::Embedder`], llama.cpp + the bundled all-MiniLM-L6-v2, cached by content
+//! hash), finds the tools nearest to the user's intent ([`index`]: exact SIMD scan, or
+//! an int8 scan with exact re-rank for large catalogs), re-ranks with BM25 when the
+//! embedding is unsure ([`lexical`]), and always keeps the tools the request forces
+//! ([`router::ToolRouter`]). `docs/tool-router.md` has its measured recall on the
+//! Berkeley Function-Calling Leaderboard data and its latency.
+//!
+//! Caveats: the embedder blocks its caller (call it from `spawn_blocking` in async
+//! code); MiniLM is English-only and cuts texts at 256 tokens; the router's catalog is
+//! immutable (rebuild it, the cache makes that cheap).
+//!
+//! Not built yet (see `docs/architecture.md`): MCP, speculative tool calls, topology,
+//! tuner.
+
+pub mod embed;
+mod error;
+pub mod index;
+pub mod lexical;
+pub mod router;
+
+pub use embed::{Embedder, EmbedderConfig};
+pub use error::ControlError;
+pub use index::{FlatIndex, Hit, QuantizedIndex, VectorIndex};
+pub use router::{Confidence, Routed, RouterConfig, Routing, Tool, ToolRouter, ToolText};

@@ -1,0 +1,547 @@
+//! Sentence embeddings through llama.cpp, with a content-addressed cache.
+//!
+//! ```text
+//!  embed_cached(texts) ──blake3(text)──▶ EmbeddingCache (DashMap) ──hit──▶ Arc<[f32]>
+//!        │ misses (deduplicated)
+//!        ▼
+//!  tokenize on the caller (the model is Sync) ──Job──▶ worker thread: one llama.cpp
+//!  context; packs many sequences into each llama_decode, mean-pools, L2-normalises
+//! ```
+//!
+//! The worker thread owns the context because llama.cpp contexts are not `Send`. Every
+//! call blocks the calling thread until its vectors are ready; from async code call the
+//! embedder inside `tokio::task::spawn_blocking`.
+//!
+//! Only catalog texts go through the cache ([`Embedder::embed_cached`]): a catalog is
+//! small and re-sent unchanged with every request, while queries are unbounded and rarely
+//! repeat, so [`Embedder::embed`] never caches.
+
+use std::num::NonZeroU32;
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{mpsc, Arc};
+use std::thread::JoinHandle;
+
+use dashmap::DashMap;
+use llama_cpp_2::context::params::{LlamaContextParams, LlamaPoolingType};
+use llama_cpp_2::context::LlamaContext;
+use llama_cpp_2::llama_batch::LlamaBatch;
+use llama_cpp_2::model::params::LlamaModelParams;
+use llama_cpp_2::model::LlamaModel;
+use llama_cpp_2::token::LlamaToken;
+use serde::{Deserialize, Serialize};
+
+use crate::ControlError;
+
+/// Where the bundled embedding model lives, relative to the workspace root
+/// (all-MiniLM-L6-v2, f16, converted by `scripts/setup.sh`).
+pub const BUNDLED_MODEL: &str = "models/embed/all-minilm-l6-v2-f16.gguf";
+
+/// Configuration of an [`Embedder`].
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct EmbedderConfig {
+    /// The embedding GGUF (a BERT-style encoder). Default [`BUNDLED_MODEL`].
+    pub model: PathBuf,
+    /// CPU threads for llama.cpp; 0 = all available cores. Default 0.
+    pub threads: u32,
+    /// Tokens per `llama_decode` (and the context size). llama.cpp attends over the
+    /// whole packed batch (masked per sequence), a cost that grows with its square, so
+    /// small batches win for MiniLM: on 2 cores, 256/512/1024/2048 gave 50/47/44/39 tool
+    /// texts per second. Must be ≥ `max_text_tokens`. Default 512.
+    pub batch_tokens: u32,
+    /// Sequences packed into one `llama_decode` (at most 256). Default 64.
+    pub max_seqs: u32,
+    /// Texts are cut to this many tokens (special tokens included), and never beyond the
+    /// model's training context. 256 is what sentence-transformers uses for MiniLM.
+    /// Default 256.
+    pub max_text_tokens: u32,
+}
+
+impl Default for EmbedderConfig {
+    fn default() -> Self {
+        Self {
+            model: PathBuf::from(BUNDLED_MODEL),
+            threads: 0,
+            batch_tokens: 512,
+            max_seqs: 64,
+            max_text_tokens: 256,
+        }
+    }
+}
+
+impl EmbedderConfig {
+    /// Checks the ranges.
+    pub fn validate(&self) -> Result<(), ControlError> {
+        let bad = |what: String| Err(ControlError::Config(what));
+        if self.batch_tokens < 8 {
+            return bad(format!("batch_tokens = {} < 8", self.batch_tokens));
+        }
+        if !(1..=256).contains(&self.max_seqs) {
+            return bad(format!("max_seqs = {} not in 1..=256", self.max_seqs));
+        }
+        if self.max_text_tokens < 2 || self.max_text_tokens > self.batch_tokens {
+            return bad(format!(
+                "max_text_tokens = {} not in 2..=batch_tokens ({})",
+                self.max_text_tokens, self.batch_tokens
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// Hit and miss counts of an [`EmbeddingCache`].
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
+pub struct CacheStats {
+    /// Texts served from the cache (including repeats within one call).
+    pub hits: u64,
+    /// Texts that had to be embedded.
+    pub misses: u64,
+    /// Vectors held.
+    pub entries: usize,
+}
+
+/// Embeddings keyed by the blake3 hash of their text.
+///
+/// Unbounded: meant for tool catalogs (a few thousand texts, 1.5 KiB each at 384
+/// dimensions), not for queries. Two threads missing the same text at once both embed
+/// it; the second insert wins, with the same vector.
+#[derive(Debug, Default)]
+pub struct EmbeddingCache {
+    map: DashMap<blake3::Hash, Arc<[f32]>>,
+    hits: AtomicU64,
+    misses: AtomicU64,
+}
+
+impl EmbeddingCache {
+    /// The key of a text.
+    pub fn key(text: &str) -> blake3::Hash {
+        blake3::hash(text.as_bytes())
+    }
+
+    /// The cached vector for `key`, counting a hit or a miss.
+    pub fn get(&self, key: &blake3::Hash) -> Option<Arc<[f32]>> {
+        let found = self.map.get(key).map(|v| v.clone());
+        let counter = if found.is_some() {
+            &self.hits
+        } else {
+            &self.misses
+        };
+        counter.fetch_add(1, Ordering::Relaxed);
+        found
+    }
+
+    /// Stores a vector.
+    pub fn insert(&self, key: blake3::Hash, vector: Arc<[f32]>) {
+        self.map.insert(key, vector);
+    }
+
+    /// Counts so far.
+    pub fn stats(&self) -> CacheStats {
+        CacheStats {
+            hits: self.hits.load(Ordering::Relaxed),
+            misses: self.misses.load(Ordering::Relaxed),
+            entries: self.map.len(),
+        }
+    }
+
+    /// Drops every vector (the counters are kept).
+    pub fn clear(&self) {
+        self.map.clear();
+    }
+}
+
+/// One request to the worker: token sequences in, `n × dim` normalised floats out.
+struct Job {
+    texts: Vec<Vec<LlamaToken>>,
+    reply: mpsc::Sender<Result<Vec<f32>, ControlError>>,
+}
+
+/// A sentence embedder over a llama.cpp encoder model (mean pooling, L2-normalised).
+///
+/// `Send + Sync`; calls from several threads are served one batch at a time by the
+/// worker thread. Dropping the embedder stops the worker.
+pub struct Embedder {
+    model: Arc<LlamaModel>,
+    dim: usize,
+    max_text_tokens: usize,
+    /// Whether tokenization appends a closing special token ([SEP]) that truncation keeps.
+    keep_last: bool,
+    tx: Option<mpsc::Sender<Job>>,
+    worker: Option<JoinHandle<()>>,
+    cache: EmbeddingCache,
+}
+
+impl std::fmt::Debug for Embedder {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Embedder")
+            .field("dim", &self.dim)
+            .field("max_text_tokens", &self.max_text_tokens)
+            .field("cache", &self.cache.stats())
+            .finish_non_exhaustive()
+    }
+}
+
+impl Embedder {
+    /// Loads the model and starts the worker thread; blocks until its context exists.
+    pub fn new(cfg: EmbedderConfig) -> Result<Self, ControlError> {
+        cfg.validate()?;
+        let path = cfg.model.display().to_string();
+        if !cfg.model.is_file() {
+            return Err(ControlError::ModelLoad {
+                path,
+                reason: "file not found (run scripts/setup.sh to convert the bundled model)".into(),
+            });
+        }
+        let model = LlamaModel::load_from_file(
+            mesh_tiers::backend(),
+            &cfg.model,
+            &LlamaModelParams::default(),
+        )
+        .map_err(|e| ControlError::ModelLoad {
+            path: path.clone(),
+            reason: e.to_string(),
+        })?;
+        let dim = usize::try_from(model.n_embd_out()).unwrap_or(0);
+        if dim == 0 {
+            return Err(ControlError::ModelLoad {
+                path,
+                reason: "model reports no embedding width".into(),
+            });
+        }
+        let vocab = model.vocab();
+        let keep_last = vocab.should_add_sep() || vocab.should_add_eos();
+        let max_text_tokens = cfg.max_text_tokens.min(model.n_ctx_train().max(2)) as usize;
+        let model = Arc::new(model);
+
+        let (tx, rx) = mpsc::channel::<Job>();
+        let (ready_tx, ready_rx) = mpsc::channel();
+        let worker = {
+            let model = model.clone();
+            std::thread::Builder::new()
+                .name("mesh-embed".into())
+                .spawn(move || worker(&model, &cfg, dim, &rx, &ready_tx))
+                .map_err(|e| ControlError::Context(format!("cannot spawn the worker: {e}")))?
+        };
+        match ready_rx.recv() {
+            Ok(Ok(())) => {}
+            Ok(Err(e)) => return Err(e),
+            Err(_) => return Err(ControlError::EmbedderStopped),
+        }
+        Ok(Self {
+            model,
+            dim,
+            max_text_tokens,
+            keep_last,
+            tx: Some(tx),
+            worker: Some(worker),
+            cache: EmbeddingCache::default(),
+        })
+    }
+
+    /// Embedding width (384 for MiniLM).
+    pub fn dim(&self) -> usize {
+        self.dim
+    }
+
+    /// The cache used by [`embed_cached`](Self::embed_cached).
+    pub fn cache(&self) -> &EmbeddingCache {
+        &self.cache
+    }
+
+    /// Tokens of `text` under the embedding model's tokenizer, without special tokens
+    /// and without truncation (for counting prompt sizes).
+    pub fn count_tokens(&self, text: &str) -> usize {
+        self.model
+            .vocab()
+            .tokenize(text.as_bytes(), false, false)
+            .len()
+    }
+
+    /// Embeds one text without the cache (use for queries).
+    pub fn embed(&self, text: &str) -> Result<Vec<f32>, ControlError> {
+        self.run(vec![self.tokenize(text)?])
+    }
+
+    /// Embeds many texts without the cache, several per `llama_decode`.
+    pub fn embed_batch<S: AsRef<str>>(&self, texts: &[S]) -> Result<Vec<Vec<f32>>, ControlError> {
+        let tokens = texts
+            .iter()
+            .map(|t| self.tokenize(t.as_ref()))
+            .collect::<Result<Vec<_>, _>>()?;
+        let flat = self.run(tokens)?;
+        Ok(flat.chunks_exact(self.dim).map(<[f32]>::to_vec).collect())
+    }
+
+    /// Embeds many texts through the cache: only texts never seen before are computed
+    /// (each once, even if repeated in `texts`).
+    pub fn embed_cached<S: AsRef<str>>(
+        &self,
+        texts: &[S],
+    ) -> Result<Vec<Arc<[f32]>>, ControlError> {
+        let mut out: Vec<Option<Arc<[f32]>>> = Vec::with_capacity(texts.len());
+        // Misses in first-seen order; `slot[i]` = which miss fills text i.
+        let mut miss_keys: Vec<blake3::Hash> = Vec::new();
+        let mut miss_tokens = Vec::new();
+        let mut slot = vec![usize::MAX; texts.len()];
+        let mut pending: std::collections::HashMap<blake3::Hash, usize> =
+            std::collections::HashMap::new();
+        for (i, text) in texts.iter().enumerate() {
+            let key = EmbeddingCache::key(text.as_ref());
+            if let Some(&m) = pending.get(&key) {
+                self.cache.hits.fetch_add(1, Ordering::Relaxed);
+                slot[i] = m;
+                out.push(None);
+                continue;
+            }
+            match self.cache.get(&key) {
+                Some(v) => out.push(Some(v)),
+                None => {
+                    pending.insert(key, miss_keys.len());
+                    slot[i] = miss_keys.len();
+                    miss_keys.push(key);
+                    miss_tokens.push(self.tokenize(text.as_ref())?);
+                    out.push(None);
+                }
+            }
+        }
+        if !miss_keys.is_empty() {
+            let flat = self.run(miss_tokens)?;
+            let fresh: Vec<Arc<[f32]>> = flat.chunks_exact(self.dim).map(Arc::from).collect();
+            for (key, v) in miss_keys.into_iter().zip(&fresh) {
+                self.cache.insert(key, v.clone());
+            }
+            for (o, &s) in out.iter_mut().zip(&slot) {
+                if o.is_none() {
+                    *o = Some(fresh[s].clone());
+                }
+            }
+        }
+        Ok(out
+            .into_iter()
+            .map(|v| v.expect("every text filled"))
+            .collect())
+    }
+
+    /// Tokens with special tokens, cut to `max_text_tokens` (keeping the closing [SEP]).
+    fn tokenize(&self, text: &str) -> Result<Vec<LlamaToken>, ControlError> {
+        // parse_special = false: a literal "[SEP]" in user text stays text.
+        let mut tokens = self.model.vocab().tokenize(text.as_bytes(), true, false);
+        if tokens.is_empty() {
+            return Err(ControlError::Embed("text has no tokens".into()));
+        }
+        if tokens.len() > self.max_text_tokens {
+            let last = tokens[tokens.len() - 1];
+            tokens.truncate(self.max_text_tokens);
+            if self.keep_last {
+                tokens[self.max_text_tokens - 1] = last;
+            }
+        }
+        Ok(tokens)
+    }
+
+    fn run(&self, texts: Vec<Vec<LlamaToken>>) -> Result<Vec<f32>, ControlError> {
+        if texts.is_empty() {
+            return Ok(Vec::new());
+        }
+        let (reply, rx) = mpsc::channel();
+        self.tx
+            .as_ref()
+            .ok_or(ControlError::EmbedderStopped)?
+            .send(Job { texts, reply })
+            .map_err(|_| ControlError::EmbedderStopped)?;
+        rx.recv().map_err(|_| ControlError::EmbedderStopped)?
+    }
+}
+
+impl Drop for Embedder {
+    fn drop(&mut self) {
+        self.tx.take();
+        if let Some(worker) = self.worker.take() {
+            let _ = worker.join();
+        }
+    }
+}
+
+fn worker(
+    model: &LlamaModel,
+    cfg: &EmbedderConfig,
+    dim: usize,
+    rx: &mpsc::Receiver<Job>,
+    ready: &mpsc::Sender<Result<(), ControlError>>,
+) {
+    let threads = match cfg.threads {
+        0 => std::thread::available_parallelism().map_or(1, |n| n.get()),
+        n => n as usize,
+    };
+    let threads = i32::try_from(threads).unwrap_or(1);
+    let params = LlamaContextParams::default()
+        .with_n_ctx(NonZeroU32::new(cfg.batch_tokens))
+        .with_n_batch(cfg.batch_tokens)
+        // An encoder cannot split a batch: the whole batch is one ubatch.
+        .with_n_ubatch(cfg.batch_tokens)
+        .with_n_seq_max(cfg.max_seqs)
+        .with_embeddings(true)
+        .with_pooling_type(LlamaPoolingType::Mean)
+        .with_n_threads(threads)
+        .with_n_threads_batch(threads);
+    let mut ctx = match model.new_context(mesh_tiers::backend(), params) {
+        Ok(ctx) => ctx,
+        Err(e) => {
+            let _ = ready.send(Err(ControlError::Context(e.to_string())));
+            return;
+        }
+    };
+    let _ = ready.send(Ok(()));
+    let mut batch = LlamaBatch::new(cfg.batch_tokens as usize, cfg.max_seqs as i32);
+    for job in rx {
+        let result = encode(&mut ctx, &mut batch, cfg, dim, &job.texts);
+        let _ = job.reply.send(result);
+    }
+}
+
+/// Packs consecutive texts into batches of at most `batch_tokens` tokens and `max_seqs`
+/// sequences (each its own sequence id, so attention stays within a text) and returns
+/// the pooled, normalised vectors in order.
+fn encode(
+    ctx: &mut LlamaContext<'_>,
+    batch: &mut LlamaBatch<'_>,
+    cfg: &EmbedderConfig,
+    dim: usize,
+    texts: &[Vec<LlamaToken>],
+) -> Result<Vec<f32>, ControlError> {
+    let mut out = vec![0.0f32; texts.len() * dim];
+    let mut next = 0;
+    while next < texts.len() {
+        batch.clear();
+        let first = next;
+        let mut used = 0;
+        while next < texts.len()
+            && next - first < cfg.max_seqs as usize
+            && used + texts[next].len() <= cfg.batch_tokens as usize
+        {
+            let seq = i32::try_from(next - first).expect("max_seqs ≤ 256");
+            batch
+                .add_sequence(&texts[next], seq, true)
+                .map_err(|e| ControlError::Embed(e.to_string()))?;
+            used += texts[next].len();
+            next += 1;
+        }
+        // Texts are cut to max_text_tokens ≤ batch_tokens, so every batch holds one.
+        debug_assert!(next > first, "a text longer than batch_tokens");
+        ctx.decode(batch)
+            .map_err(|e| ControlError::Embed(e.to_string()))?;
+        for (seq, row) in (first..next).enumerate() {
+            let pooled = ctx
+                .embeddings_seq_ith(i32::try_from(seq).expect("max_seqs ≤ 256"))
+                .map_err(|e| ControlError::Embed(format!("no pooled embedding: {e}")))?;
+            let dst = &mut out[row * dim..(row + 1) * dim];
+            dst.copy_from_slice(&pooled[..dim]);
+            normalize(dst);
+        }
+    }
+    Ok(out)
+}
+
+/// Scales `v` to unit L2 length (a zero vector stays zero).
+pub fn normalize(v: &mut [f32]) {
+    let norm = v.iter().map(|x| x * x).sum::<f32>().sqrt();
+    if norm > 0.0 {
+        v.iter_mut().for_each(|x| *x /= norm);
+    }
+}
+
+/// Matryoshka truncation: layer-norm over the full vector (no affine), keep the first
+/// `dim` components, re-normalise.
+///
+/// Meaningful only for embedders trained with Matryoshka Representation Learning
+/// (nomic-embed-text v1.5, mxbai-embed-large, OpenAI text-embedding-3), whose leading
+/// dimensions carry most of the information by construction. all-MiniLM-L6-v2 is not
+/// MRL-trained: a prefix of its vector is just a random projection and loses recall
+/// quickly. A shorter vector halves scan time and memory per halving of `dim`.
+///
+/// # Panics
+///
+/// If `dim` is 0 or larger than `v.len()`.
+pub fn matryoshka_truncate(v: &[f32], dim: usize) -> Vec<f32> {
+    assert!(
+        dim > 0 && dim <= v.len(),
+        "matryoshka dim {dim} not in 1..={}",
+        v.len()
+    );
+    let n = v.len() as f32;
+    let mean = v.iter().sum::<f32>() / n;
+    let var = v.iter().map(|x| (x - mean) * (x - mean)).sum::<f32>() / n;
+    let inv = 1.0 / (var + 1e-5).sqrt();
+    let mut out: Vec<f32> = v[..dim].iter().map(|x| (x - mean) * inv).collect();
+    normalize(&mut out);
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn normalize_gives_unit_length_and_keeps_zero() {
+        let mut v = vec![3.0, 4.0];
+        normalize(&mut v);
+        assert_eq!(v, vec![0.6, 0.8]);
+        let mut z = vec![0.0; 3];
+        normalize(&mut z);
+        assert_eq!(z, vec![0.0; 3]);
+    }
+
+    #[test]
+    fn matryoshka_is_unit_length_prefix_of_the_layer_normed_vector() {
+        let v: Vec<f32> = (0..8).map(|i| i as f32).collect();
+        let t = matryoshka_truncate(&v, 4);
+        assert_eq!(t.len(), 4);
+        let norm: f32 = t.iter().map(|x| x * x).sum::<f32>().sqrt();
+        assert!((norm - 1.0).abs() < 1e-5);
+        // Centred (mean 3.5): the first four components are all negative, increasing.
+        assert!(t.iter().all(|&x| x < 0.0));
+        assert!(t.windows(2).all(|w| w[0] < w[1]));
+        // The full length keeps the direction of the centred vector.
+        let full = matryoshka_truncate(&v, 8);
+        let mut centred: Vec<f32> = v.iter().map(|x| x - 3.5).collect();
+        normalize(&mut centred);
+        for (a, b) in full.iter().zip(&centred) {
+            assert!((a - b).abs() < 1e-4);
+        }
+    }
+
+    #[test]
+    #[should_panic(expected = "matryoshka dim")]
+    fn matryoshka_rejects_a_longer_prefix() {
+        matryoshka_truncate(&[1.0, 2.0], 3);
+    }
+
+    #[test]
+    fn cache_counts_hits_and_misses() {
+        let cache = EmbeddingCache::default();
+        let k = EmbeddingCache::key("a");
+        assert!(cache.get(&k).is_none());
+        cache.insert(k, Arc::from(vec![1.0f32]));
+        assert_eq!(cache.get(&k).as_deref(), Some(&[1.0f32][..]));
+        assert_eq!(
+            cache.stats(),
+            CacheStats {
+                hits: 1,
+                misses: 1,
+                entries: 1
+            }
+        );
+    }
+
+    #[test]
+    fn config_rejects_text_longer_than_batch() {
+        let cfg = EmbedderConfig {
+            batch_tokens: 64,
+            max_text_tokens: 128,
+            ..EmbedderConfig::default()
+        };
+        assert!(matches!(cfg.validate(), Err(ControlError::Config(_))));
+        assert!(EmbedderConfig::default().validate().is_ok());
+    }
+}

@@ -1,0 +1,43 @@
+use thiserror::Error;
+
+/// Errors of the control layer.
+#[derive(Debug, Error)]
+pub enum ControlError {
+    /// The embedding GGUF could not be loaded; check the path (`scripts/setup.sh` converts
+    /// the bundled one) and that it is a llama.cpp embedding model.
+    #[error("cannot load embedding model {path}: {reason}")]
+    ModelLoad {
+        /// Path that was given.
+        path: String,
+        /// What went wrong.
+        reason: String,
+    },
+    /// The llama.cpp embeddings context could not be created (too little memory for
+    /// `batch_tokens`, or a model without an encoder).
+    #[error("cannot create embeddings context: {0}")]
+    Context(String),
+    /// llama.cpp failed while computing embeddings.
+    #[error("embedding failed: {0}")]
+    Embed(String),
+    /// The embedder's worker thread has stopped (it panicked or the embedder is shutting
+    /// down); build a new [`Embedder`](crate::Embedder).
+    #[error("embedder thread stopped")]
+    EmbedderStopped,
+    /// A vector does not have the index's dimension (embeddings from another model?).
+    #[error("vector has dimension {got}, expected {expected}")]
+    Dimension {
+        /// The index's dimension.
+        expected: usize,
+        /// The vector's.
+        got: usize,
+    },
+    /// A forced tool (`tool_choice`) is not in the router's catalog.
+    #[error("tool {0:?} is not in the catalog")]
+    UnknownTool(String),
+    /// Two tools of a catalog share a name; names identify tools, as in OpenAI's API.
+    #[error("tool {0:?} appears twice in the catalog")]
+    DuplicateTool(String),
+    /// A configuration value is out of range.
+    #[error("invalid config: {0}")]
+    Config(String),
+}
