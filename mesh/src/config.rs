@@ -15,6 +15,7 @@
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 
+use mesh_control::{EmbedderConfig, RouterConfig};
 use mesh_tiers::cascade::{CascadePolicy, ReasoningPolicy};
 use mesh_tiers::EngineConfig;
 use serde::{Deserialize, Serialize};
@@ -41,6 +42,36 @@ pub struct NodeConfig {
     pub cascade: CascadePolicy,
     /// Reasoning-token budgets (`[reasoning]`).
     pub reasoning: ReasoningPolicy,
+    /// Tool routing (`[tool_routing]`): which of a request's tools the prompt shows.
+    pub tool_routing: ToolRouting,
+}
+
+/// When and how the gateway routes a request's tools before rendering the prompt.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct ToolRouting {
+    /// Route when a request offers more tools than this; 0 = never. The prompt then shows
+    /// the router's top `router.top_k` (plus a `tool_choice` tool). The bundled tiers were
+    /// trained with 3-7 tools per prompt.
+    pub route_above: usize,
+    /// The embedding model (loaded on the first request that needs it).
+    pub embedder: EmbedderConfig,
+    /// Scoring, top-k, re-rank.
+    pub router: RouterConfig,
+}
+
+impl Default for ToolRouting {
+    fn default() -> Self {
+        Self {
+            route_above: 8,
+            embedder: EmbedderConfig {
+                model: models_dir().join("embed/all-minilm-l6-v2-f16.gguf"),
+                threads: 1,
+                ..EmbedderConfig::default()
+            },
+            router: RouterConfig::default(),
+        }
+    }
 }
 
 /// How this node joins a cluster (`[cluster]` in the TOML file, or `mesh join` flags).
@@ -114,6 +145,7 @@ impl Default for NodeConfig {
             cluster: None,
             cascade: CascadePolicy::default(),
             reasoning: ReasoningPolicy::default(),
+            tool_routing: ToolRouting::default(),
         }
     }
 }
@@ -182,6 +214,10 @@ impl NodeConfig {
         }
         anyhow::ensure!(self.max_concurrent > 0, "max_concurrent must be at least 1");
         self.cascade.validate().map_err(anyhow::Error::msg)?;
+        if self.tool_routing.route_above > 0 {
+            self.tool_routing.router.validate()?;
+            self.tool_routing.embedder.validate()?;
+        }
         anyhow::ensure!(
             self.tiers.iter().all(|t| t.name != self.cascade.model),
             "tier name `{}` is the cascade's model id; rename the tier or set cascade.model",

@@ -21,6 +21,7 @@ use axum::response::sse::{Event, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
+use mesh_control::{Embedder, Tool, ToolRouter};
 use mesh_tiers::cascade::{self, CascadePolicy, ReasoningPolicy, Verdict};
 use mesh_tiers::chat::{self, ChatMessage, Role, ToolCall, ToolSpec};
 use mesh_tiers::grammar;
@@ -28,8 +29,9 @@ use mesh_tiers::{FinishReason, GenerateRequest, SamplingParams, TierError, Token
 use serde_json::{json, Value};
 use tokio::sync::{mpsc, OwnedSemaphorePermit, Semaphore};
 use tokio_stream::wrappers::ReceiverStream;
-use tracing::{info_span, Instrument};
+use tracing::{info_span, warn, Instrument};
 
+use crate::config::ToolRouting;
 use crate::metrics::{CascadeLabel, Metrics, RequestLabel};
 use crate::node::Registry;
 use crate::openai::*;
@@ -50,6 +52,14 @@ pub struct GatewaySettings {
     pub cascade: CascadePolicy,
     /// Reasoning-token budgets.
     pub reasoning: ReasoningPolicy,
+    /// Tool routing for requests with many tools.
+    pub tool_routing: ToolRouting,
+}
+
+/// The tool router's embedder, loaded by the first request that needs it.
+#[derive(Default)]
+struct ToolGate {
+    embedder: std::sync::OnceLock<Result<Arc<Embedder>, String>>,
 }
 
 /// Shared state of the handlers.
@@ -60,6 +70,7 @@ pub struct AppState {
     metrics: Arc<Metrics>,
     permits: Arc<Semaphore>,
     settings: Arc<GatewaySettings>,
+    tool_gate: Arc<ToolGate>,
 }
 
 impl AppState {
@@ -78,6 +89,7 @@ impl AppState {
             registry,
             permits: Arc::new(Semaphore::new(settings.max_concurrent)),
             settings: Arc::new(settings),
+            tool_gate: Arc::default(),
         }
     }
 }
@@ -269,6 +281,79 @@ impl AppState {
                         }
                     }
                 }
+            }
+        }
+    }
+
+    /// With more tools than `route_above`, keeps only the router's top-k for the user's
+    /// last message (a `tool_choice` tool always stays). Routing problems (no embedding
+    /// model, duplicate names) are logged and the request keeps every tool.
+    async fn route_tools(&self, r: &mut ChatRequest) -> Option<RouterInfo> {
+        let cfg = &self.settings.tool_routing;
+        if cfg.route_above == 0 || r.tools.len() <= cfg.route_above {
+            return None;
+        }
+        if matches!(&r.tool_choice, Some(Value::String(s)) if s == "none") {
+            return None;
+        }
+        let intent = last_user_text(&r.messages)?;
+        let tools: Vec<Tool> = r
+            .tools
+            .iter()
+            .map(|t| Tool {
+                name: t.function.name.clone(),
+                description: t.function.description.clone().unwrap_or_default(),
+                parameters: t.function.parameters.clone().unwrap_or(Value::Null),
+            })
+            .collect();
+        let forced: Option<String> = r
+            .tool_choice
+            .as_ref()
+            .and_then(mesh_control::router::forced_tool)
+            .map(str::to_owned);
+        let (gate, cfg) = (self.tool_gate.clone(), cfg.clone());
+        let offered = r.tools.len();
+        let routed = tokio::task::spawn_blocking(move || -> Result<RouterInfo, String> {
+            let embedder = gate
+                .embedder
+                .get_or_init(|| {
+                    Embedder::new(cfg.embedder.clone())
+                        .map(Arc::new)
+                        .map_err(|e| {
+                            format!("embedding model {}: {e}", cfg.embedder.model.display())
+                        })
+                })
+                .clone()?;
+            let router = ToolRouter::build(&embedder, tools, cfg.router.clone())
+                .map_err(|e| e.to_string())?;
+            let forced: Vec<&str> = forced.iter().map(String::as_str).collect();
+            let routing = router
+                .route_with(&embedder, &intent, cfg.router.top_k, &forced)
+                .map_err(|e| e.to_string())?;
+            Ok(RouterInfo {
+                offered,
+                shown: routing.names().into_iter().map(str::to_owned).collect(),
+                top1: routing.confidence.top1,
+                margin: routing.confidence.margin,
+                reranked: routing.reranked,
+            })
+        })
+        .instrument(info_span!("router.route", mesh.router.offered = offered))
+        .await;
+        match routed {
+            Ok(Ok(info)) => {
+                // The request's own order, so requests that route to the same tools share
+                // one prompt prefix (and its KV pages).
+                r.tools.retain(|t| info.shown.contains(&t.function.name));
+                Some(info)
+            }
+            Ok(Err(e)) => {
+                warn!(error = %e, "tool routing failed; the prompt shows every tool");
+                None
+            }
+            Err(e) => {
+                warn!(error = %e, "tool routing task failed; the prompt shows every tool");
+                None
             }
         }
     }
@@ -735,15 +820,16 @@ async fn chat_completions(State(state): State<AppState>, body: Bytes) -> Respons
 
 async fn chat_inner(state: &AppState, body: &[u8]) -> Result<Response, ApiError> {
     let arrived = Instant::now();
-    let r: ChatRequest = parse_body(body)?;
+    let mut r: ChatRequest = parse_body(body)?;
     if r.n.unwrap_or(1) != 1 {
         return Err(ApiError::bad_request("only n = 1 is supported", Some("n")));
     }
     let span = info_span!("gateway.chat", gen_ai.request.model = %r.model, gen_ai.operation.name = "chat",
         gen_ai.usage.input_tokens = tracing::field::Empty, mesh.tier = %r.model, stream = r.stream);
     async move {
+        let routed = state.route_tools(&mut r).await;
         if r.model == state.settings.cascade.model {
-            return cascade_chat(state, &r, arrived).await;
+            return cascade_chat(state, &r, arrived, routed).await;
         }
         let mut tier = state.find_tier(&r.model)?;
         let p = prepare(&r)?;
@@ -787,12 +873,29 @@ async fn chat_inner(state: &AppState, body: &[u8]) -> Result<Response, ApiError>
                 queued_ms: c.queued_ms,
                 reasoning_capped: c.reasoning_capped,
                 cascade: vec![],
+                router: routed,
             };
             Ok(Json(chat_body(&job.model, &c.text, c.finish, c.usage, &mesh)).into_response())
         }
     }
     .instrument(span)
     .await
+}
+
+/// Text of the last user message (the intent the tool router matches).
+fn last_user_text(messages: &[InMessage]) -> Option<String> {
+    let m = messages.iter().rev().find(|m| m.role == "user")?;
+    match m.content.as_ref()? {
+        Value::String(s) => Some(s.clone()),
+        Value::Array(parts) => {
+            let text: Vec<&str> = parts
+                .iter()
+                .filter_map(|p| p.get("text").and_then(Value::as_str))
+                .collect();
+            (!text.is_empty()).then(|| text.join("\n"))
+        }
+        _ => None,
+    }
 }
 
 /// A chat request rendered for the tiers.
@@ -892,6 +995,7 @@ async fn cascade_chat(
     state: &AppState,
     r: &ChatRequest,
     arrived: Instant,
+    routed: Option<RouterInfo>,
 ) -> Result<Response, ApiError> {
     let policy = &state.settings.cascade;
     let p = prepare(r)?;
@@ -1035,6 +1139,7 @@ async fn cascade_chat(
             queued_ms: c.queued_ms,
             reasoning_capped: c.reasoning_capped,
             cascade: steps,
+            router: routed,
         };
         Ok(Json(chat_body(&policy.model, &c.text, c.finish, total, &mesh)).into_response())
     }
@@ -1271,7 +1376,7 @@ async fn completions_inner(state: &AppState, body: &[u8]) -> Result<Response, Ap
                 "id": new_id("cmpl"), "object": "text_completion", "created": now_s(), "model": job.model,
                 "choices": [{"index": 0, "text": c.text, "finish_reason": finish_str(c.finish), "logprobs": null}],
                 "usage": c.usage,
-                "mesh": MeshInfo { tier: job.model.clone(), queued_ms: c.queued_ms, reasoning_capped: c.reasoning_capped, cascade: vec![] },
+                "mesh": MeshInfo { tier: job.model.clone(), queued_ms: c.queued_ms, reasoning_capped: c.reasoning_capped, cascade: vec![], router: None },
             }))
             .into_response());
         }

@@ -76,6 +76,7 @@ mod node_run {
             expected_tiers: cfg.tiers.iter().map(|t| t.name.clone()).collect(),
             cascade: cfg.cascade.clone(),
             reasoning: cfg.reasoning.clone(),
+            tool_routing: cfg.tool_routing.clone(),
         };
         let listener = tokio::net::TcpListener::bind(cfg.listen)
             .await

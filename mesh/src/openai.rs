@@ -239,6 +239,24 @@ pub struct MeshInfo {
     /// Cascade requests: every tier tried, in order, and its verdict.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub cascade: Vec<CascadeStep>,
+    /// Requests whose tools were routed: what the router kept.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub router: Option<RouterInfo>,
+}
+
+/// What the tool router did to a request.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Default)]
+pub struct RouterInfo {
+    /// Tools the request offered.
+    pub offered: usize,
+    /// Tools the prompt showed, best first.
+    pub shown: Vec<String>,
+    /// Cosine of the best tool.
+    pub top1: f32,
+    /// Top-1 minus top-2 cosine.
+    pub margin: f32,
+    /// The lexical re-rank ran (the embedding was unsure).
+    pub reranked: bool,
 }
 
 /// One tier attempt of a cascade request.
