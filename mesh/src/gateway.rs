@@ -832,7 +832,7 @@ async fn chat_inner(state: &AppState, body: &[u8]) -> Result<Response, ApiError>
             return cascade_chat(state, &r, arrived, routed).await;
         }
         let mut tier = state.find_tier(&r.model)?;
-        let p = prepare(&r)?;
+        let p = prepare(&r, routed.as_ref())?;
         let permit = state.permit()?;
         let prompt = state
             .tokenize(&mut tier, &r.model, p.prompt_text.clone())
@@ -906,9 +906,12 @@ struct Prepared {
     grammar: Option<String>,
     trigger: Option<String>,
     scope: String,
+    /// The tool router's top-1 score, when it routed this request (cascade entry tier,
+    /// reasoning budget).
+    confidence: Option<f32>,
 }
 
-fn prepare(r: &ChatRequest) -> Result<Prepared, ApiError> {
+fn prepare(r: &ChatRequest, routed: Option<&RouterInfo>) -> Result<Prepared, ApiError> {
     let messages = to_messages(&r.messages)?;
     let (shown, grammar) = tool_plan(to_tools(&r.tools)?, r.tool_choice.as_ref())?;
     let prompt_text = chat::render_prompt(&messages, &shown);
@@ -925,6 +928,7 @@ fn prepare(r: &ChatRequest) -> Result<Prepared, ApiError> {
         grammar,
         trigger,
         scope,
+        confidence: routed.map(|i| i.top1),
     })
 }
 
@@ -951,7 +955,10 @@ fn build_request(
         ignore_eos: r.ignore_eos,
         request_id: String::new(),
         cache_scope: p.scope.clone(),
-        reasoning_budget: state.settings.reasoning.budget(r.reasoning_budget, None),
+        reasoning_budget: state
+            .settings
+            .reasoning
+            .budget(r.reasoning_budget, p.confidence),
     })
 }
 
@@ -998,7 +1005,7 @@ async fn cascade_chat(
     routed: Option<RouterInfo>,
 ) -> Result<Response, ApiError> {
     let policy = &state.settings.cascade;
-    let p = prepare(r)?;
+    let p = prepare(r, routed.as_ref())?;
     let mut first = state.find_tier(&policy.tiers[0])?;
     let permit = state.permit()?;
     // The tiers share one tokenizer (a cascade requirement), so one tokenization serves all.
@@ -1008,7 +1015,7 @@ async fn cascade_chat(
         .await?;
     tracing::Span::current().record("gen_ai.usage.input_tokens", prompt.len());
     let offered: Vec<&str> = p.shown.iter().map(|t| t.name.as_str()).collect();
-    let (start, skipped) = cascade::first_tier(policy, None);
+    let (start, skipped) = cascade::first_tier(policy, p.confidence);
     let mut steps: Vec<CascadeStep> = Vec::new();
     if let Some(v) = skipped {
         steps.push(CascadeStep {

@@ -16,6 +16,13 @@ fn models() -> std::path::PathBuf {
 }
 
 async fn node(min_margin: f32) -> (String, tokio::sync::oneshot::Sender<()>) {
+    node_with(min_margin, 0.0).await
+}
+
+async fn node_with(
+    min_margin: f32,
+    min_router_score: f32,
+) -> (String, tokio::sync::oneshot::Sender<()>) {
     let tier = |name: &str| EngineConfig {
         name: name.into(),
         model: models().join(format!("{name}-q8_0.gguf")),
@@ -24,16 +31,18 @@ async fn node(min_margin: f32) -> (String, tokio::sync::oneshot::Sender<()>) {
         threads: 2,
         ..EngineConfig::default()
     };
-    let cfg = NodeConfig {
+    let mut cfg = NodeConfig {
         listen: "127.0.0.1:0".parse().unwrap(),
         tiers: vec![tier("t1"), tier("t2")],
         cascade: CascadePolicy {
             tiers: vec!["t1".into(), "t2".into()],
             min_margin: vec![min_margin],
+            min_router_score,
             ..CascadePolicy::default()
         },
         ..NodeConfig::default()
     };
+    cfg.tool_routing.embedder.model = models().join("embed/all-minilm-l6-v2-f16.gguf");
     common::in_process(cfg).await
 }
 
@@ -206,4 +215,35 @@ async fn reasoning_budget_caps_thinking() {
         message(&capped)["tool_calls"][0]["function"]["name"],
         "kitchen_check_pantry_stock"
     );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn low_router_confidence_skips_the_first_tier() {
+    let c = reqwest::Client::new();
+    // No cosine reaches 2: every routed request starts at t2.
+    let (base, _stop) = node_with(0.0, 2.0).await;
+    let tools: Vec<Value> = std::fs::read_to_string(models().join("fixtures/catalog.jsonl"))
+        .unwrap()
+        .lines()
+        .take(30)
+        .map(|l| {
+            let t: Value = serde_json::from_str(l).unwrap();
+            json!({"type": "function", "function": {"name": t["name"], "description": t["description"], "parameters": t["parameters"]}})
+        })
+        .collect();
+    let mut body = request("cascade");
+    body["tools"] = json!(tools);
+    let v = chat(&c, &base, body).await;
+    assert_eq!(v["mesh"]["router"]["offered"], 30);
+    assert_eq!(
+        steps(&v),
+        vec![
+            ("t1".into(), "low_router_score".into()),
+            ("t2".into(), "last_tier".into())
+        ]
+    );
+    // Few tools: no router score, the cascade starts at t1 as usual.
+    let v = chat(&c, &base, request("cascade")).await;
+    assert_eq!(steps(&v)[0].0, "t1");
+    assert_ne!(steps(&v)[0].1, "low_router_score");
 }
