@@ -2,7 +2,7 @@
 //! agent workload against its OpenAI-compatible API, printing what happened.
 //!
 //! ```text
-//! cargo run --release -p mesh --example agent_demo -- [--tasks N] [--agents N] [--tiers t1,t2,t3]
+//! cargo run --release -p mesh --example agent_demo -- [--tasks N] [--agents N] [--tiers t1,t2,t3,cascade]
 //! ```
 //!
 //! Each agent takes a task (a user request plus the tool schemas it may use,
@@ -10,7 +10,9 @@
 //! step, executes the tool calls it gets against a local stand-in tool, sends
 //! the results back and prints the final answer. Several agents run at once,
 //! so the engine batches their sequences. At the end a table compares the
-//! tiers on the same tasks.
+//! tiers on the same tasks; `cascade` is the gateway's tier cascade (t1 first,
+//! escalating when its answer is not confident), whose token count includes
+//! every tier it tried.
 
 use std::time::{Duration, Instant};
 
@@ -28,7 +30,7 @@ fn args() -> Args {
     let mut a = Args {
         tasks: 12,
         agents: 4,
-        tiers: vec!["t1".into(), "t2".into(), "t3".into()],
+        tiers: vec!["t1".into(), "t2".into(), "t3".into(), "cascade".into()],
         quiet: false,
     };
     let mut it = std::env::args().skip(1);
@@ -40,7 +42,9 @@ fn args() -> Args {
             "--tiers" => a.tiers = val().split(',').map(str::to_owned).collect(),
             "--quiet" => a.quiet = true,
             "-h" | "--help" => {
-                println!("agent_demo [--tasks N] [--agents N] [--tiers t1,t2,t3] [--quiet]");
+                println!(
+                    "agent_demo [--tasks N] [--agents N] [--tiers t1,t2,t3,cascade] [--quiet]"
+                );
                 std::process::exit(0);
             }
             other => panic!("unknown flag {other}"),
