@@ -32,7 +32,7 @@ use tokio_stream::wrappers::ReceiverStream;
 use tracing::{info_span, warn, Instrument};
 
 use crate::config::ToolRouting;
-use crate::metrics::{CascadeLabel, Metrics, RequestLabel};
+use crate::metrics::{CascadeLabel, Metrics, RequestLabel, RoutingLabel};
 use crate::node::Registry;
 use crate::openai::*;
 use crate::remote::{Dispatcher, RouteError, StartError, Target};
@@ -340,18 +340,30 @@ impl AppState {
         })
         .instrument(info_span!("router.route", mesh.router.offered = offered))
         .await;
+        let outcome = |o: &str| {
+            self.metrics
+                .tool_routing
+                .get_or_create(&RoutingLabel { outcome: o.into() })
+                .inc();
+        };
         match routed {
             Ok(Ok(info)) => {
+                outcome("routed");
                 // The request's own order, so requests that route to the same tools share
                 // one prompt prefix (and its KV pages).
                 r.tools.retain(|t| info.shown.contains(&t.function.name));
+                self.metrics
+                    .tools_removed
+                    .inc_by((offered - r.tools.len()) as u64);
                 Some(info)
             }
             Ok(Err(e)) => {
+                outcome("failed");
                 warn!(error = %e, "tool routing failed; the prompt shows every tool");
                 None
             }
             Err(e) => {
+                outcome("failed");
                 warn!(error = %e, "tool routing task failed; the prompt shows every tool");
                 None
             }

@@ -44,6 +44,13 @@ pub struct CascadeLabel {
     pub verdict: String,
 }
 
+/// Label: what the tool router did with a request.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct RoutingLabel {
+    /// `routed` (the prompt showed the router's top-k) or `failed` (every tool shown).
+    pub outcome: String,
+}
+
 /// All metrics of a node.
 pub struct Metrics {
     registry: Registry,
@@ -65,6 +72,10 @@ pub struct Metrics {
     pub reasoning_tokens: Family<ModelLabel, Counter>,
     /// Think blocks the reasoning governor closed, by model.
     pub reasoning_capped: Family<ModelLabel, Counter>,
+    /// Requests whose tools went through the router, by outcome.
+    pub tool_routing: Family<RoutingLabel, Counter>,
+    /// Tool schemas the router kept out of prompts.
+    pub tools_removed: Counter,
     active: Family<ModelLabel, Gauge>,
     queued: Family<ModelLabel, Gauge>,
     kv_reserved: Family<ModelLabel, Gauge>,
@@ -94,6 +105,8 @@ impl Default for Metrics {
             cascade_steps: Family::default(),
             reasoning_tokens: Family::default(),
             reasoning_capped: Family::default(),
+            tool_routing: Family::default(),
+            tools_removed: Counter::default(),
             active: Family::default(),
             queued: Family::default(),
             kv_reserved: Family::default(),
@@ -144,6 +157,16 @@ impl Default for Metrics {
             "reasoning_capped",
             "Think blocks closed by the reasoning governor",
             m.reasoning_capped.clone(),
+        );
+        registry.register(
+            "tool_routing",
+            "Chat requests whose tools went through the tool router, by outcome",
+            m.tool_routing.clone(),
+        );
+        registry.register(
+            "tool_schemas_removed",
+            "Tool schemas the router kept out of prompts",
+            m.tools_removed.clone(),
         );
         registry.register(
             "active_sequences",

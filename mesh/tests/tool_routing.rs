@@ -108,4 +108,21 @@ async fn many_tools_are_routed_to_the_top_k() {
     // Few tools: no routing.
     let v = chat(&c, &base, ask(&tools[..4], None)).await;
     assert!(v["mesh"].get("router").is_none(), "{v}");
+
+    let metrics = c
+        .get(format!("{base}/metrics"))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    assert!(
+        metrics.contains(r#"mesh_tool_routing_total{outcome="routed"} 2"#),
+        "{metrics}"
+    );
+    assert!(
+        metrics.contains("mesh_tool_schemas_removed_total 110"),
+        "{metrics}"
+    );
 }
