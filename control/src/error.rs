@@ -40,4 +40,12 @@ pub enum ControlError {
     /// A configuration value is out of range.
     #[error("invalid config: {0}")]
     Config(String),
+    /// hwloc could not bind a thread to its cores (the CPUs are outside this process's
+    /// cgroup or affinity mask, or the OS does not support thread binding); the tier runs
+    /// unbound.
+    #[error("cannot bind {0}")]
+    Bind(String),
+    /// The policy state file could not be read or written; the message names the path.
+    #[error("policy state: {0}")]
+    PolicyState(String),
 }

@@ -19,9 +19,14 @@
 
 pub mod embed;
 mod error;
+pub mod gate;
 pub mod index;
 pub mod lexical;
+pub mod placement;
+pub mod policy;
 pub mod router;
+pub mod topology;
+pub mod tuner;
 
 pub use embed::{Embedder, EmbedderConfig};
 pub use error::ControlError;

@@ -44,6 +44,8 @@ pub struct NodeConfig {
     pub reasoning: ReasoningPolicy,
     /// Tool routing (`[tool_routing]`): which of a request's tools the prompt shows.
     pub tool_routing: ToolRouting,
+    /// Tier placement on this host's cores (`[placement]`).
+    pub placement: mesh_control::placement::PlacementConfig,
 }
 
 /// When and how the gateway routes a request's tools before rendering the prompt.
@@ -146,6 +148,7 @@ impl Default for NodeConfig {
             cascade: CascadePolicy::default(),
             reasoning: ReasoningPolicy::default(),
             tool_routing: ToolRouting::default(),
+            placement: mesh_control::placement::PlacementConfig::default(),
         }
     }
 }

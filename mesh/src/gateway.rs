@@ -54,6 +54,8 @@ pub struct GatewaySettings {
     pub reasoning: ReasoningPolicy,
     /// Tool routing for requests with many tools.
     pub tool_routing: ToolRouting,
+    /// This node's tier placement (`GET /v1/cluster`, `mesh status`), when planned.
+    pub placement: Option<mesh_control::placement::PlacementPlan>,
 }
 
 /// The tool router's embedder, loaded by the first request that needs it.
@@ -1484,7 +1486,9 @@ async fn cluster(State(state): State<AppState>) -> Json<Value> {
                 "n_seq_max": t.n_seq_max, "max_seq_len": t.max_seq_len, "kv_cells": t.kv_cells, "kv_reserved": t.kv_reserved})).collect::<Vec<_>>()})]
         }
     };
-    Json(json!({"clustered": state.dispatcher.cluster.is_some(), "members": members}))
+    Json(
+        json!({"clustered": state.dispatcher.cluster.is_some(), "members": members, "placement": state.settings.placement}),
+    )
 }
 
 async fn ready(State(state): State<AppState>) -> Response {

@@ -22,6 +22,8 @@ pub mod node;
 #[cfg(feature = "node")]
 pub mod openai;
 #[cfg(feature = "node")]
+pub mod placement;
+#[cfg(feature = "node")]
 pub mod remote;
 #[cfg(feature = "node")]
 pub mod telemetry;
@@ -68,7 +70,9 @@ mod node_run {
         shutdown: impl Future<Output = ()> + Send + 'static,
     ) -> anyhow::Result<Running> {
         cfg.validate()?;
-        let (supervisor, registry) = crate::node::start(cfg.tiers.clone()).await?;
+        let mut tiers = cfg.tiers.clone();
+        let placement = crate::placement::apply(&cfg.placement, &mut tiers);
+        let (supervisor, registry) = crate::node::start(tiers).await?;
         let settings = GatewaySettings {
             max_concurrent: cfg.max_concurrent,
             retry_after_s: cfg.retry_after_s,
@@ -77,6 +81,7 @@ mod node_run {
             cascade: cfg.cascade.clone(),
             reasoning: cfg.reasoning.clone(),
             tool_routing: cfg.tool_routing.clone(),
+            placement,
         };
         let listener = tokio::net::TcpListener::bind(cfg.listen)
             .await

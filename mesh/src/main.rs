@@ -25,6 +25,21 @@ enum Cmd {
     /// Cluster certificates.
     #[command(subcommand)]
     Cert(CertCmd),
+    /// Print this host's CPU/memory topology and the tier placement a node would use.
+    Topology(TopologyArgs),
+}
+
+#[derive(clap::Args, Debug)]
+struct TopologyArgs {
+    /// Print JSON (`{"topology": .., "placement": ..}`).
+    #[arg(long)]
+    json: bool,
+    /// Node config whose tiers are placed (default: the bundled tiers).
+    #[arg(long)]
+    config: Option<PathBuf>,
+    /// llama.cpp threads per tier, as for `mesh up`.
+    #[arg(long)]
+    threads: Option<i32>,
 }
 
 #[derive(Subcommand, Debug)]
@@ -286,6 +301,30 @@ async fn status(a: &StatusArgs) -> anyhow::Result<()> {
             }
         );
     }
+    if let Ok(plan) =
+        serde_json::from_value::<mesh_control::placement::PlacementPlan>(v["placement"].clone())
+    {
+        println!();
+        print!("{}", plan.render());
+    }
+    Ok(())
+}
+
+fn topology(a: &TopologyArgs) -> anyhow::Result<()> {
+    let mut cfg = NodeConfig::load(a.config.as_deref())?;
+    if let Some(n) = a.threads {
+        cfg.tiers.iter_mut().for_each(|t| t.threads = n);
+    }
+    let topo = mesh_control::topology::Topology::detect();
+    let plan = mesh::placement::plan_for(&topo, &cfg.tiers);
+    if a.json {
+        let v = serde_json::json!({"topology": topo, "placement": plan});
+        println!("{}", serde_json::to_string_pretty(&v)?);
+    } else {
+        print!("{}", topo.render());
+        println!();
+        print!("{}", plan.render());
+    }
     Ok(())
 }
 
@@ -314,6 +353,7 @@ async fn main() -> anyhow::Result<()> {
             Ok(())
         }
         Cmd::Status(a) => status(&a).await,
+        Cmd::Topology(a) => topology(&a),
         Cmd::Join(a) => run_node(join_config(&a)?).await,
         Cmd::Up(a) => {
             let cfg = node_config(&a)?;

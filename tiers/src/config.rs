@@ -1,4 +1,5 @@
 use std::path::PathBuf;
+use std::sync::Arc;
 
 use serde::{Deserialize, Serialize};
 
@@ -50,6 +51,41 @@ pub struct EngineConfig {
     pub kv_unified: bool,
     /// Prefix KV pages: reuse the KV of prompt prefixes seen before.
     pub kv_pages: KvPagesConfig,
+    /// Runs on the engine thread before the llama.cpp context exists; the node sets it to
+    /// bind the thread to the tier's planned cores. Not part of the file config.
+    #[serde(skip)]
+    pub thread_setup: ThreadSetup,
+}
+
+/// Code run first on an engine's own thread. Threads llama.cpp starts later (its compute
+/// workers) inherit that thread's CPU mask and memory policy, so a binding applied here
+/// covers the whole tier.
+#[derive(Clone, Default)]
+pub struct ThreadSetup(Option<Arc<dyn Fn() + Send + Sync>>);
+
+impl ThreadSetup {
+    /// A setup step.
+    pub fn new(f: impl Fn() + Send + Sync + 'static) -> Self {
+        Self(Some(Arc::new(f)))
+    }
+
+    /// Runs it, if set.
+    pub fn run(&self) {
+        if let Some(f) = &self.0 {
+            f();
+        }
+    }
+
+    /// Whether a step is set.
+    pub fn is_set(&self) -> bool {
+        self.0.is_some()
+    }
+}
+
+impl std::fmt::Debug for ThreadSetup {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(if self.is_set() { "ThreadSetup(set)" } else { "ThreadSetup(none)" })
+    }
 }
 
 /// Prefix KV pages of one tier (see `mesh-kvstore`).
@@ -93,6 +129,7 @@ impl Default for EngineConfig {
             kv_type: KvType::F16,
             kv_unified: false,
             kv_pages: KvPagesConfig::default(),
+            thread_setup: ThreadSetup::default(),
         }
     }
 }

@@ -175,6 +175,7 @@ impl Engine {
             std::thread::Builder::new()
                 .name(format!("engine-{}", cfg.name))
                 .spawn(move || {
+                    cfg.thread_setup.run();
                     let mut ctx = match new_context(&model, &cfg) {
                         Ok(c) => c,
                         Err(e) => {
