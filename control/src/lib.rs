@@ -14,8 +14,13 @@
 //! code); MiniLM is English-only and cuts texts at 256 tokens; the router's catalog is
 //! immutable (rebuild it, the cache makes that cheap).
 //!
-//! Not built yet (see `docs/architecture.md`): MCP, speculative tool calls, topology,
-//! tuner.
+//! Also here: the host's topology ([`topology`], hwloc) and the placement of tier threads
+//! on its cores ([`placement`]); the tuner's rules ([`tuner`]), statistical gate
+//! ([`gate`]), knobs and policy state file ([`policy`]), and A/B probe windows on a real
+//! engine ([`trial`]) (`docs/tuner.md`).
+//!
+//! Not built yet (see `docs/architecture.md`): MCP, speculative tool calls, the tuner
+//! as a node task.
 
 pub mod embed;
 mod error;
@@ -26,6 +31,7 @@ pub mod placement;
 pub mod policy;
 pub mod router;
 pub mod topology;
+pub mod trial;
 pub mod tuner;
 
 pub use embed::{Embedder, EmbedderConfig};

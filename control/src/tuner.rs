@@ -243,6 +243,11 @@ pub fn manual(
     let k = policy::knob(knob_id)
         .ok_or_else(|| ControlError::Config(format!("unknown knob `{knob_id}`")))?;
     let before = current.get(knob_id)?;
+    if (to - before).abs() < 1e-9 {
+        return Err(ControlError::Config(format!(
+            "{knob_id} is already {before}: nothing to try"
+        )));
+    }
     if (to - before).abs() > k.step + 1e-9 {
         return Err(ControlError::Config(format!(
             "{knob_id}: {before} -> {to} is more than one step ({})",
@@ -349,6 +354,10 @@ mod tests {
             .to_string()
             .contains("more than one step"));
         assert!(manual(&p, "cascade.min_margin[0]", 1.1, latency()).is_err());
+        assert!(manual(&p, "router_top_k", 5.0, latency())
+            .unwrap_err()
+            .to_string()
+            .contains("nothing to try"));
     }
 
     /// End to end over deterministic samples: proposal, trial, gate, state file.
