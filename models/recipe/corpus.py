@@ -493,30 +493,32 @@ def hard_subs(tool: Tool) -> list[str]:
 def arith_problem(r: random.Random) -> tuple[int, str, str]:
     """(value, how the request says it, the worked steps ending in the value).
 
-    Four-digit sums and differences, three-digit by two-digit products split
-    by place value (each partial product still done in one step) and
-    two-operation chains. Every carry has to be worked out before the first
-    digit of the result is written, which takes depth and width a small
-    model lacks: the easy forms are within every tier's reach, the long ones
-    separate the tiers, which is what a cascade needs to see."""
+    Multi-digit operands with carries, products split by place value and
+    two-operation chains: a small model gets the easy forms and misses the
+    long ones, which is what a cascade needs to see."""
     form = r.choice(["add", "sub", "mul", "mul", "chain"])
     if form == "add":
-        a, b = r.randint(1000, 8999), r.randint(100, 8999)
+        a, b = r.randint(100, 899), r.randint(100, 899)
         v = a + b
         return v, f"{a} plus {b}", f"{a} + {b} = {v}"
     if form == "sub":
-        a = r.randint(1500, 9999)
-        b = r.randint(100, a - 100)
+        a = r.randint(300, 999)
+        b = r.randint(100, a - 50)
         v = a - b
         return v, f"{a} minus {b}", f"{a} - {b} = {v}"
     if form == "mul":
-        a, b = r.randint(102, 999), r.randint(12, 99)
+        a, b = r.randint(12, 99), r.randint(3, 19)
         v = a * b
-        hi, lo = b - b % 10, b % 10
+        if b > 10:
+            lo = b - 10
+            return v, f"{a} times {b}", f"{a} * {b} = {a} * 10 + {a} * {lo} = {a * 10} + {a * lo} = {v}"
+        if b == 10:
+            return v, f"{a} times {b}", f"{a} * 10 = {v}"
+        hi, lo = a - a % 10, a % 10
         if lo == 0:
             return v, f"{a} times {b}", f"{a} * {b} = {v}"
-        return v, f"{a} times {b}", f"{a} * {b} = {a} * {hi} + {a} * {lo} = {a * hi} + {a * lo} = {v}"
-    a, b, c = r.randint(12, 99), r.randint(3, 9), r.randint(10, 999)
+        return v, f"{a} times {b}", f"{a} * {b} = {hi} * {b} + {lo} * {b} = {hi * b} + {lo * b} = {v}"
+    a, b, c = r.randint(3, 12), r.randint(3, 12), r.randint(2, 40)
     if r.random() < 0.5:
         v = a * b + c
         return v, f"{a} times {b} plus {c}", f"{a} * {b} = {a * b}, {a * b} + {c} = {v}"
@@ -599,7 +601,7 @@ def make_hard(r, tool, pool, by_name, sub: str | None = None) -> Example | None:
             n = r.choice([r.randint(1, SEARCH_CAP), r.randint(SEARCH_CAP + 1, 60)])
             said, calc = str(n), ""
         else:  # stated as pages of results: the count must be computed first
-            k, m = r.randint(2, 9), r.randint(2, 25)
+            k, m = r.randint(2, 6), r.randint(2, 9)
             n = k * m
             said, calc = f"{k} pages of {m}", f"{k} * {m} = {n}, "
         base = tool if tool.action == "search" else by_name[tool.similar[0]]

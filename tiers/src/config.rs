@@ -84,7 +84,11 @@ impl ThreadSetup {
 
 impl std::fmt::Debug for ThreadSetup {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(if self.is_set() { "ThreadSetup(set)" } else { "ThreadSetup(none)" })
+        f.write_str(if self.is_set() {
+            "ThreadSetup(set)"
+        } else {
+            "ThreadSetup(none)"
+        })
     }
 }
 

@@ -10,13 +10,12 @@
 //!   flash-attention kernels; `reference.py`), and "ggml_gap", its top-1
 //!   minus top-2 logit per generated token.
 //!
-//! The fp32 model and llama.cpp part ways on near-ties (llama.cpp quantizes
-//! activations to 8 bits), so llama.cpp must produce the fp32 tokens on at
-//! least 90 prompts of each tier, and the "ggml" tokens on all but one of the
-//! prompts that carry that reference (at least 75: the emulation costs about
-//! 25 s per t3 prompt and core, so a fixture may carry it for a subset; the
-//! bundled t1 has it for all 100, t2 for 88, t3 for 79). The
-//! "ggml" emulation mirrors the x86 AVX2 kernels of the pinned llama.cpp
+//! The fp32 model and llama.cpp may part ways on near-ties (llama.cpp quantizes
+//! activations to 8 bits); llama.cpp must produce the fp32 tokens on at least
+//! 99 of the 100 prompts of each tier (measured: t1 99, t2 100, t3 100), and the
+//! "ggml" tokens on all but one of them (every case carries that reference;
+//! the emulation costs about 25 s per t3 prompt and core, `reference.py
+//! --shard` spreads it over processes). The "ggml" emulation mirrors the x86 AVX2 kernels of the pinned llama.cpp
 //! (llama-cpp-sys-2 0.1.161) with this test's context parameters (n_ubatch
 //! 512, 2 threads, flash attention on, f16 cache), where it gives the same
 //! logits bit for bit; the one-prompt slack covers builds with other kernels.
@@ -187,7 +186,7 @@ fn check_tier(tier: &str) {
         "llama.cpp tokenizer disagrees with SentencePiece"
     );
     assert!(
-        with_ggml >= 75,
+        with_ggml == total,
         "{}: only {with_ggml} cases carry the \"ggml\" reference; run `python3 models/recipe/reference.py --tier {tier}`",
         fixture.display()
     );
@@ -196,7 +195,7 @@ fn check_tier(tier: &str) {
         "{tier}: only {same_ggml}/{with_ggml} greedy continuations match the ggml-arithmetic reference"
     );
     assert!(
-        same_fp32 >= 90,
+        same_fp32 >= 99,
         "{tier}: only {same_fp32}/{total} greedy continuations match fp32 PyTorch"
     );
 }
