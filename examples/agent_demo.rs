@@ -13,6 +13,12 @@
 //! tiers on the same tasks; `cascade` is the gateway's tier cascade (t1 first,
 //! escalating when its answer is not confident), whose token count includes
 //! every tier it tried.
+//!
+//! Then the node runs agent tasks itself (`POST /v1/agent/tasks`) with a real MCP
+//! server — the reference filesystem server from npm, installed by
+//! `scripts/setup.sh` — over a folder of notes, twice: the first round shows t1
+//! drafting each t3 turn so read-only tool calls start early, the second round
+//! (the same tasks again) is served by the read-only result cache. `--no-mcp` skips it.
 
 use std::time::{Duration, Instant};
 
@@ -24,6 +30,7 @@ struct Args {
     agents: usize,
     tiers: Vec<String>,
     quiet: bool,
+    mcp: bool,
 }
 
 fn args() -> Args {
@@ -32,6 +39,7 @@ fn args() -> Args {
         agents: 4,
         tiers: vec!["t1".into(), "t2".into(), "t3".into(), "cascade".into()],
         quiet: false,
+        mcp: true,
     };
     let mut it = std::env::args().skip(1);
     while let Some(flag) = it.next() {
@@ -41,9 +49,10 @@ fn args() -> Args {
             "--agents" => a.agents = val().parse().expect("--agents N"),
             "--tiers" => a.tiers = val().split(',').map(str::to_owned).collect(),
             "--quiet" => a.quiet = true,
+            "--no-mcp" => a.mcp = false,
             "-h" | "--help" => {
                 println!(
-                    "agent_demo [--tasks N] [--agents N] [--tiers t1,t2,t3,cascade] [--quiet]"
+                    "agent_demo [--tasks N] [--agents N] [--tiers t1,t2,t3,cascade] [--quiet] [--no-mcp]"
                 );
                 std::process::exit(0);
             }
@@ -155,11 +164,31 @@ async fn main() -> anyhow::Result<()> {
         t.n_seq_max = a.agents.max(1) as u32;
         t.n_ctx = 2048 * t.n_seq_max;
     }
-    let cfg = NodeConfig {
+    let mut cfg = NodeConfig {
         listen: "127.0.0.1:0".parse()?,
         tiers,
         ..NodeConfig::default()
     };
+    let notes = tempdir_with_notes()?;
+    let fs_server = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../.cache/mcp/node_modules/@modelcontextprotocol/server-filesystem/dist/index.js");
+    let mcp = a.mcp && fs_server.exists();
+    if a.mcp && !mcp {
+        println!(
+            "(no MCP part: {} is missing; run scripts/setup.sh)",
+            fs_server.display()
+        );
+    }
+    if mcp {
+        cfg.mcp.servers = vec![mesh_control::mcp::McpServerConfig::stdio(
+            "notes",
+            "node",
+            &[
+                fs_server.to_str().unwrap_or_default(),
+                notes.to_str().unwrap_or_default(),
+            ],
+        )];
+    }
     let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
     let t0 = Instant::now();
     let node = mesh::start(cfg, async move {
@@ -253,6 +282,124 @@ async fn main() -> anyhow::Result<()> {
         .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
         .sum();
     println!("\nnode metrics: {generated} tokens generated (see {base}/metrics while it runs)");
+    if mcp {
+        mcp_rounds(&http, &base, &notes, &a).await?;
+    }
+    let _ = std::fs::remove_dir_all(&notes);
     let _ = stop_tx.send(());
     node.wait().await
+}
+
+/// A folder of small notes for the filesystem MCP server.
+fn tempdir_with_notes() -> anyhow::Result<std::path::PathBuf> {
+    let dir = std::env::temp_dir().join(format!("mesh-demo-notes-{}", std::process::id()));
+    std::fs::create_dir_all(&dir)?;
+    for (name, text) in [
+        (
+            "launch.txt",
+            "The launch moved to Friday 10:00; the venue is hall B.\n",
+        ),
+        (
+            "budget.txt",
+            "Q3 budget: 41,500 EUR, of which 12,000 for travel.\n",
+        ),
+        (
+            "team.txt",
+            "On call this week: Alice (primary), Bob (secondary).\n",
+        ),
+    ] {
+        std::fs::write(dir.join(name), text)?;
+    }
+    Ok(dir.canonicalize()?)
+}
+
+/// Agent tasks run by the node over the notes server, twice.
+async fn mcp_rounds(
+    http: &reqwest::Client,
+    base: &str,
+    notes: &std::path::Path,
+    a: &Args,
+) -> anyhow::Result<()> {
+    let model = ["t3", "t2", "cascade", "t1"]
+        .into_iter()
+        .find(|m| a.tiers.iter().any(|t| t == m))
+        .unwrap_or("t1");
+    let prompts: Vec<String> = ["launch.txt", "budget.txt", "team.txt"]
+        .iter()
+        .map(|f| format!("Read the file {}", notes.join(f).display()))
+        .chain(["Which folders may you read?".to_owned()])
+        .collect();
+    println!(
+        "\nagent tasks run by the node (POST /v1/agent/tasks, model {model}) with the MCP filesystem server over {}:",
+        notes.display()
+    );
+    for round in 1..=2 {
+        let t0 = Instant::now();
+        for p in &prompts {
+            let body = json!({"model": model, "input": p, "max_turns": 3, "max_tokens": 96,
+                "tools": ["read_text_file", "list_directory", "list_allowed_directories", "write_file"]});
+            let r: Value = http
+                .post(format!("{base}/v1/agent/tasks"))
+                .json(&body)
+                .send()
+                .await?
+                .json()
+                .await?;
+            if let Some(e) = r.get("error").filter(|e| e.is_object()) {
+                anyhow::bail!("agent task refused: {e}");
+            }
+            let calls: Vec<String> = r["turns"]
+                .as_array()
+                .into_iter()
+                .flatten()
+                .flat_map(|t| t["tool_calls"].as_array().cloned().unwrap_or_default())
+                .map(|c| {
+                    let outcome = c["source"]
+                        .as_str()
+                        .or(c["error"].as_str().map(|_| "error"))
+                        .unwrap_or("?");
+                    format!(
+                        "{}({}) [{outcome}]",
+                        c["name"].as_str().unwrap_or(""),
+                        short(&c["arguments"].to_string(), 60)
+                    )
+                })
+                .collect();
+            if !a.quiet {
+                println!(
+                    "  round {round} {:<9} user: {}\n      calls: {}\n      answer: {}",
+                    r["status"].as_str().unwrap_or(""),
+                    short(p, 80),
+                    if calls.is_empty() {
+                        "(none)".into()
+                    } else {
+                        short(&calls.join(", "), 160)
+                    },
+                    short(r["output"].as_str().unwrap_or(""), 90)
+                );
+            }
+        }
+        println!(
+            "  round {round}: {} tasks in {:.0} ms",
+            prompts.len(),
+            t0.elapsed().as_secs_f64() * 1e3
+        );
+    }
+    let metrics = http
+        .get(format!("{base}/metrics"))
+        .send()
+        .await?
+        .text()
+        .await?;
+    let spec: Vec<&str> = metrics
+        .lines()
+        .filter(|l| {
+            l.starts_with("mesh_spec_tool_") || l.starts_with("mesh_mcp_tool_executions_total")
+        })
+        .collect();
+    println!(
+        "speculative tool calls and the result cache (GET /metrics):\n  {}",
+        spec.join("\n  ")
+    );
+    Ok(())
 }

@@ -42,6 +42,7 @@ is_installed() {
     dpkg -s "$1" 2>/dev/null | grep -q '^Status: install ok installed'
 }
 
+SUDO=()
 missing=()
 for pkg in "${APT_PACKAGES[@]}"; do
     is_installed "$pkg" || missing+=("$pkg")
@@ -137,6 +138,31 @@ else
     mv "$tmp" "$EMBED"
     trap - EXIT
     say "embed: wrote models/embed/$(basename "$EMBED"), sha256 ok"
+fi
+
+# ---------------------------------------------------------------- MCP servers
+# Two reference MCP servers from npm (filesystem over stdio, "everything" over
+# streamable HTTP) for the agent-layer tests and the demo, pinned by
+# scripts/mcp/package-lock.json and installed into .cache/mcp.
+MCP_DIR="$ROOT/.cache/mcp"
+MCP_SRC="$ROOT/scripts/mcp"
+if ! command -v node >/dev/null 2>&1 || ! command -v npm >/dev/null 2>&1; then
+    [[ ${#SUDO[@]} -eq 0 && $EUID -ne 0 ]] && command -v sudo >/dev/null 2>&1 && SUDO=(sudo)
+    say "apt: installing nodejs npm (for the reference MCP servers)"
+    export DEBIAN_FRONTEND=noninteractive
+    "${SUDO[@]}" apt-get update -qq
+    "${SUDO[@]}" apt-get install -y -qq --no-install-recommends nodejs npm >/dev/null
+fi
+mcp_stamp="$(cat "$MCP_SRC/package-lock.json" | sha256sum | cut -d' ' -f1)"
+if [[ -f "$MCP_DIR/.mesh-stamp" && "$(cat "$MCP_DIR/.mesh-stamp")" == "$mcp_stamp" ]]; then
+    say "mcp: reference servers up to date (.cache/mcp)"
+else
+    say "mcp: installing reference MCP servers into .cache/mcp (node $(node --version))"
+    mkdir -p "$MCP_DIR"
+    cp "$MCP_SRC/package.json" "$MCP_SRC/package-lock.json" "$MCP_DIR/"
+    (cd "$MCP_DIR" && npm ci --no-audit --no-fund --loglevel=error >/dev/null) || die "npm ci in .cache/mcp failed"
+    printf '%s\n' "$mcp_stamp" >"$MCP_DIR/.mesh-stamp"
+    say "mcp: done"
 fi
 
 # ---------------------------------------------------------------- cargo build

@@ -199,6 +199,68 @@ pub struct ChatResponse {
     pub usage: Usage,
 }
 
+/// An agent task for the node to run with its MCP tools (`POST /v1/agent/tasks`).
+#[derive(Debug, Clone, Serialize, Default)]
+pub struct AgentTaskRequest {
+    /// Tier id or the cascade's model id.
+    pub model: String,
+    /// A single user message (appended to `messages`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub input: Option<String>,
+    /// Earlier conversation.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub messages: Vec<Message>,
+    /// Tool names the task may use (default: all of the node's MCP tools).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tools: Option<Vec<String>>,
+    /// `tool_choice` of the first turn.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tool_choice: Option<Value>,
+    /// Turn limit (node default 6).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub max_turns: Option<usize>,
+    /// Time limit in seconds (node default 120).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub timeout_s: Option<f64>,
+    /// Completion budget per turn.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub max_tokens: Option<usize>,
+    /// Speculative tool calls (node default on).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub speculate: Option<bool>,
+}
+
+impl AgentTaskRequest {
+    /// A task for `model` with one user message.
+    pub fn new(model: impl Into<String>, input: impl Into<String>) -> Self {
+        Self {
+            model: model.into(),
+            input: Some(input.into()),
+            ..Self::default()
+        }
+    }
+}
+
+/// A finished agent task.
+#[derive(Debug, Clone, Deserialize)]
+pub struct AgentTask {
+    /// Task id.
+    pub id: String,
+    /// `completed`, `max_turns`, `timed_out` or `failed`.
+    pub status: String,
+    /// The model's last text.
+    pub output: String,
+    /// Every turn: the model's text, its tool calls with their results and where each
+    /// result came from (`fresh`, `speculative`, `cached`).
+    pub turns: Vec<Value>,
+    /// Token counts over all turns.
+    #[serde(default)]
+    pub usage: Usage,
+    /// Why a `failed` task failed.
+    #[serde(default)]
+    pub error: Option<String>,
+}
+
 /// One streamed piece.
 #[derive(Debug, Clone, PartialEq)]
 pub enum ChatDelta {
@@ -341,10 +403,20 @@ impl Client {
         path: &str,
         body: &impl Serialize,
     ) -> Attempt<reqwest::Response> {
+        self.send_within(base, path, body, self.retry.timeout).await
+    }
+
+    async fn send_within(
+        &self,
+        base: &str,
+        path: &str,
+        body: &impl Serialize,
+        timeout: Duration,
+    ) -> Attempt<reqwest::Response> {
         let r = self
             .http
             .post(format!("{base}{path}"))
-            .timeout(self.retry.timeout)
+            .timeout(timeout)
             .json(body)
             .send()
             .await;
@@ -402,6 +474,27 @@ impl Client {
             .await?;
         let bytes = resp.bytes_stream();
         Ok(sse_deltas(bytes))
+    }
+
+    /// Runs an agent task on the node (`POST /v1/agent/tasks`): the node calls its MCP
+    /// tools itself, turn after turn, within the task's limits. A gateway that refuses
+    /// with 429 or 5xx before the task starts is retried on the next one; the task's own
+    /// outcome (`completed`, `max_turns`, `timed_out`, `failed`) is in
+    /// [`AgentTask::status`].
+    pub async fn agent_task(&self, req: &AgentTaskRequest) -> Result<AgentTask, ClientError> {
+        // The task may take its whole timeout; the HTTP wait is that plus a margin.
+        let limit = Duration::from_secs_f64(req.timeout_s.unwrap_or(120.0) + 10.0);
+        self.with_failover(|base| async move {
+            match self.send_within(&base, "/v1/agent/tasks", req, limit).await {
+                Attempt::Done(r) => match r.json::<AgentTask>().await {
+                    Ok(v) => Attempt::Done(v),
+                    Err(e) => Attempt::Fatal(ClientError::Decode(e.to_string())),
+                },
+                Attempt::Retry(w) => Attempt::Retry(w),
+                Attempt::Fatal(e) => Attempt::Fatal(e),
+            }
+        })
+        .await
     }
 
     /// Runs an agent task: asks `model`, executes each tool call with `run_tool`, feeds the

@@ -15,6 +15,7 @@
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 
+use mesh_control::mcp::McpServerConfig;
 use mesh_control::{EmbedderConfig, RouterConfig};
 use mesh_tiers::cascade::{CascadePolicy, ReasoningPolicy};
 use mesh_tiers::EngineConfig;
@@ -46,6 +47,85 @@ pub struct NodeConfig {
     pub tool_routing: ToolRouting,
     /// Tier placement on this host's cores (`[placement]`).
     pub placement: mesh_control::placement::PlacementConfig,
+    /// MCP tool servers (`[[mcp.servers]]`) for agent tasks.
+    pub mcp: McpSettings,
+    /// The server-side agent loop (`[agent]`).
+    pub agent: AgentSettings,
+}
+
+/// MCP servers whose tools agent tasks may call (`POST /v1/agent/tasks`).
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct McpSettings {
+    /// Servers started (stdio) or connected (streamable HTTP) at node start.
+    pub servers: Vec<McpServerConfig>,
+}
+
+/// The agent loop and speculative tool calls (`[agent]`).
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct AgentSettings {
+    /// Turns (model calls) a task may take when it sets none.
+    pub max_turns: usize,
+    /// The most turns a task may ask for.
+    pub max_turns_limit: usize,
+    /// Seconds a task may take when it sets none.
+    pub timeout_s: f64,
+    /// The longest a task may ask for.
+    pub timeout_limit_s: f64,
+    /// Completion budget of each turn.
+    pub max_tokens: usize,
+    /// Tool results are cut to this many characters before the model sees them.
+    pub max_result_chars: usize,
+    /// Speculative tool calls by default.
+    pub speculate: bool,
+    /// The model that drafts each turn to predict its tool call; default the cascade's
+    /// first tier. Tasks on this model do not speculate (the draft would be the answer).
+    pub draft_model: Option<String>,
+    /// Completion budget of a draft.
+    pub draft_max_tokens: usize,
+    /// Seconds a read-only tool result serves identical calls (0: only its own turn).
+    pub cache_ttl_s: f64,
+}
+
+impl Default for AgentSettings {
+    fn default() -> Self {
+        Self {
+            max_turns: 6,
+            max_turns_limit: 32,
+            timeout_s: 120.0,
+            timeout_limit_s: 1800.0,
+            max_tokens: 256,
+            max_result_chars: 2000,
+            speculate: true,
+            draft_model: None,
+            draft_max_tokens: 96,
+            cache_ttl_s: 60.0,
+        }
+    }
+}
+
+impl AgentSettings {
+    fn validate(&self) -> anyhow::Result<()> {
+        anyhow::ensure!(
+            (1..=self.max_turns_limit).contains(&self.max_turns),
+            "agent.max_turns must be between 1 and agent.max_turns_limit"
+        );
+        anyhow::ensure!(
+            self.timeout_s > 0.0 && self.timeout_s <= self.timeout_limit_s,
+            "agent.timeout_s must be in (0, agent.timeout_limit_s]"
+        );
+        anyhow::ensure!(self.max_tokens > 0, "agent.max_tokens must be at least 1");
+        anyhow::ensure!(
+            self.draft_max_tokens > 0,
+            "agent.draft_max_tokens must be at least 1"
+        );
+        anyhow::ensure!(
+            self.cache_ttl_s >= 0.0 && self.cache_ttl_s.is_finite(),
+            "agent.cache_ttl_s must be >= 0"
+        );
+        Ok(())
+    }
 }
 
 /// When and how the gateway routes a request's tools before rendering the prompt.
@@ -149,6 +229,8 @@ impl Default for NodeConfig {
             reasoning: ReasoningPolicy::default(),
             tool_routing: ToolRouting::default(),
             placement: mesh_control::placement::PlacementConfig::default(),
+            mcp: McpSettings::default(),
+            agent: AgentSettings::default(),
         }
     }
 }
@@ -217,6 +299,16 @@ impl NodeConfig {
         }
         anyhow::ensure!(self.max_concurrent > 0, "max_concurrent must be at least 1");
         self.cascade.validate().map_err(anyhow::Error::msg)?;
+        self.agent.validate()?;
+        let mut servers = std::collections::HashSet::new();
+        for m in &self.mcp.servers {
+            m.validate().map_err(anyhow::Error::msg)?;
+            anyhow::ensure!(
+                servers.insert(&m.name),
+                "mcp.servers: `{}` configured twice",
+                m.name
+            );
+        }
         if self.tool_routing.route_above > 0 {
             self.tool_routing.router.validate()?;
             self.tool_routing.embedder.validate()?;

@@ -1,7 +1,8 @@
 //! The OpenAI-compatible HTTP gateway (axum).
 //!
 //! Routes: `POST /v1/chat/completions`, `POST /v1/completions`,
-//! `GET /v1/models`, `GET /v1/cluster`, `GET /health`, `GET /ready`, `GET /metrics`.
+//! `GET /v1/models`, `GET /v1/cluster`, `GET /health`, `GET /ready`, `GET /metrics`,
+//! and the agent layer's `POST /v1/agent/tasks` and `GET /v1/tools` ([`crate::agent`]).
 //!
 //! Request path: parse and validate the body (400 with a reason) → pick the
 //! node hosting the tier, local or a peer (404 `model_not_found`, 503 if none is up) → take a concurrency permit (429 with
@@ -73,6 +74,7 @@ pub struct AppState {
     permits: Arc<Semaphore>,
     settings: Arc<GatewaySettings>,
     tool_gate: Arc<ToolGate>,
+    agent: Option<Arc<crate::agent::Agent>>,
 }
 
 impl AppState {
@@ -92,7 +94,32 @@ impl AppState {
             permits: Arc::new(Semaphore::new(settings.max_concurrent)),
             settings: Arc::new(settings),
             tool_gate: Arc::default(),
+            agent: None,
         }
+    }
+
+    /// Serves agent tasks (`POST /v1/agent/tasks`) with this agent layer.
+    pub fn with_agent(mut self, agent: Arc<crate::agent::Agent>) -> Self {
+        self.metrics.watch_tools(agent.runner.clone());
+        self.agent = Some(agent);
+        self
+    }
+
+    pub(crate) fn agent(&self) -> Option<Arc<crate::agent::Agent>> {
+        self.agent.clone()
+    }
+
+    pub(crate) fn metrics(&self) -> &Metrics {
+        &self.metrics
+    }
+
+    pub(crate) fn cascade_model(&self) -> &str {
+        &self.settings.cascade.model
+    }
+
+    /// 404 / 503 as a chat request for `model` would get them.
+    pub(crate) fn find_model(&self, model: &str) -> Result<(), ApiError> {
+        self.find_tier(model).map(|_| ())
     }
 }
 
@@ -101,6 +128,8 @@ pub fn router(state: AppState) -> Router {
     Router::new()
         .route("/v1/chat/completions", post(chat_completions))
         .route("/v1/completions", post(completions))
+        .route("/v1/agent/tasks", post(crate::agent::create_task))
+        .route("/v1/tools", get(crate::agent::list_tools))
         .route("/v1/models", get(models))
         .route("/v1/cluster", get(cluster))
         .route("/health", get(|| async { Json(json!({"status": "ok"})) }))
@@ -124,7 +153,7 @@ pub struct ApiError {
 }
 
 impl ApiError {
-    fn bad_request(message: impl Into<String>, param: Option<&str>) -> Self {
+    pub(crate) fn bad_request(message: impl Into<String>, param: Option<&str>) -> Self {
         Self {
             status: StatusCode::BAD_REQUEST,
             kind: "invalid_request_error",
@@ -133,6 +162,23 @@ impl ApiError {
             message: message.into(),
             retry_after: None,
         }
+    }
+
+    /// A 500 with this message.
+    pub(crate) fn internal(message: impl Into<String>) -> Self {
+        Self {
+            status: StatusCode::INTERNAL_SERVER_ERROR,
+            kind: "server_error",
+            code: None,
+            param: None,
+            message: message.into(),
+            retry_after: None,
+        }
+    }
+
+    /// The message shown to the client.
+    pub(crate) fn message(&self) -> &str {
+        &self.message
     }
 
     fn model_not_found(model: &str, available: Vec<String>) -> Self {
@@ -218,7 +264,7 @@ impl IntoResponse for ApiError {
     }
 }
 
-fn parse_body<T: serde::de::DeserializeOwned>(body: &[u8]) -> Result<T, ApiError> {
+pub(crate) fn parse_body<T: serde::de::DeserializeOwned>(body: &[u8]) -> Result<T, ApiError> {
     if body.is_empty() {
         return Err(ApiError::bad_request(
             "request body is empty; expected a JSON object",
@@ -384,7 +430,7 @@ impl AppState {
         })
     }
 
-    fn count(&self, endpoint: &str, status: StatusCode) {
+    pub(crate) fn count(&self, endpoint: &str, status: StatusCode) {
         self.metrics
             .requests
             .get_or_create(&RequestLabel {
@@ -830,6 +876,12 @@ async fn chat_completions(State(state): State<AppState>, body: Bytes) -> Respons
     };
     state.count(EP, resp.status());
     resp
+}
+
+/// A chat completion through the full request path (routing, cascade, metrics), for
+/// callers inside the node such as the agent loop.
+pub(crate) async fn chat_response(state: &AppState, body: &[u8]) -> Result<Response, ApiError> {
+    chat_inner(state, body).await
 }
 
 async fn chat_inner(state: &AppState, body: &[u8]) -> Result<Response, ApiError> {

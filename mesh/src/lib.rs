@@ -8,6 +8,8 @@
 //! Start a node in-process with [`serve`]; the binary does the same behind
 //! `mesh up`.
 
+#[cfg(feature = "node")]
+pub mod agent;
 #[cfg(feature = "client")]
 pub mod client;
 #[cfg(feature = "node")]
@@ -113,7 +115,20 @@ mod node_run {
                 Some(c)
             }
         };
-        let app = gateway::router(AppState::new(registry, cluster.clone(), settings));
+        let mut agent_settings = cfg.agent.clone();
+        if agent_settings.draft_model.is_none() {
+            // The cascade's first tier, when this node hosts it.
+            agent_settings.draft_model = cfg
+                .cascade
+                .tiers
+                .first()
+                .filter(|t| cfg.tiers.iter().any(|c| &c.name == *t))
+                .cloned();
+        }
+        let hub = mesh_control::mcp::McpHub::connect(&cfg.mcp.servers).await;
+        let agent = std::sync::Arc::new(crate::agent::Agent::new(hub, agent_settings));
+        let app =
+            gateway::router(AppState::new(registry, cluster.clone(), settings).with_agent(agent));
         let server = tokio::spawn(async move {
             axum::serve(listener, app)
                 .with_graceful_shutdown(shutdown)

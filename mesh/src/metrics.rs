@@ -51,6 +51,63 @@ pub struct RoutingLabel {
     pub outcome: String,
 }
 
+/// Label: how an agent task ended.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct StatusLabel {
+    /// `completed`, `max_turns`, `timed_out` or `failed`.
+    pub status: String,
+}
+
+/// Label: what happened to a tool call with respect to speculation.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct OutcomeLabel {
+    outcome: &'static str,
+}
+
+/// Scrape-time collector of the agent layer's tool runner (set once the node has one).
+#[derive(Debug, Default, Clone)]
+struct ToolCollector {
+    runner: Arc<std::sync::OnceLock<Arc<mesh_control::spec_tools::ToolRunner>>>,
+}
+
+impl Collector for ToolCollector {
+    fn encode(&self, mut enc: DescriptorEncoder) -> Result<(), std::fmt::Error> {
+        let Some(r) = self.runner.get() else {
+            return Ok(());
+        };
+        let c = r.counts();
+        let o = |outcome| OutcomeLabel { outcome };
+        family(
+            &mut enc,
+            "spec_tool_calls",
+            "Tool calls by speculation outcome: started early, hit (a speculative result served the model's call), cache_hit, miss (ran when asked), cancelled (no call matched), refused_side_effect (predicted tool not read-only, not run)",
+            true,
+            &[
+                (o("started"), c.started),
+                (o("hit"), c.hits),
+                (o("cache_hit"), c.cache_hits),
+                (o("miss"), c.misses),
+                (o("cancelled"), c.cancelled),
+                (o("refused_side_effect"), c.refused),
+            ],
+        )?;
+        let mut m = enc.encode_descriptor(
+            "spec_tool_saved_seconds",
+            "Tool time agent tasks did not wait for thanks to speculation and the result cache",
+            None,
+            MetricType::Counter,
+        )?;
+        ConstCounter::new(c.saved_ms as f64 / 1000.0).encode(m.encode_family(&NoLabels {})?)?;
+        family(
+            &mut enc,
+            "mcp_tool_executions",
+            "Tool calls that reached an MCP server (speculative ones included)",
+            true,
+            &[(NoLabels {}, c.executed)],
+        )
+    }
+}
+
 /// All metrics of a node.
 pub struct Metrics {
     registry: Registry,
@@ -76,6 +133,9 @@ pub struct Metrics {
     pub tool_routing: Family<RoutingLabel, Counter>,
     /// Tool schemas the router kept out of prompts.
     pub tools_removed: Counter,
+    /// Agent tasks by how they ended.
+    pub agent_tasks: Family<StatusLabel, Counter>,
+    tool_collector: ToolCollector,
     active: Family<ModelLabel, Gauge>,
     queued: Family<ModelLabel, Gauge>,
     kv_reserved: Family<ModelLabel, Gauge>,
@@ -107,6 +167,8 @@ impl Default for Metrics {
             reasoning_capped: Family::default(),
             tool_routing: Family::default(),
             tools_removed: Counter::default(),
+            agent_tasks: Family::default(),
+            tool_collector: ToolCollector::default(),
             active: Family::default(),
             queued: Family::default(),
             kv_reserved: Family::default(),
@@ -167,6 +229,11 @@ impl Default for Metrics {
             "tool_schemas_removed",
             "Tool schemas the router kept out of prompts",
             m.tools_removed.clone(),
+        );
+        registry.register(
+            "agent_tasks",
+            "Agent tasks (POST /v1/agent/tasks) by how they ended",
+            m.agent_tasks.clone(),
         );
         registry.register(
             "active_sequences",
@@ -424,7 +491,14 @@ impl Metrics {
         let mut m = Self::default();
         m.registry
             .register_collector(Box::new(NodeCollector { tiers }));
+        m.registry
+            .register_collector(Box::new(m.tool_collector.clone()));
         m
+    }
+
+    /// Exports the counters of the agent layer's tool runner (first call wins).
+    pub fn watch_tools(&self, runner: Arc<mesh_control::spec_tools::ToolRunner>) {
+        let _ = self.tool_collector.runner.set(runner);
     }
 }
 

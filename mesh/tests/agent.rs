@@ -1,0 +1,240 @@
+//! The agent loop (`POST /v1/agent/tasks`) over a real MCP server: the reference
+//! `@modelcontextprotocol/server-filesystem`, started by the node over stdio, with the
+//! bundled t1 model.
+
+mod common;
+
+use std::path::{Path, PathBuf};
+
+use mesh::config::NodeConfig;
+use mesh_control::mcp::McpServerConfig;
+use mesh_tiers::EngineConfig;
+use serde_json::{json, Value};
+
+fn root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("..")
+}
+
+fn filesystem_server(dir: &Path) -> McpServerConfig {
+    let js = root()
+        .join(".cache/mcp/node_modules/@modelcontextprotocol/server-filesystem/dist/index.js");
+    assert!(
+        js.exists(),
+        "{} missing: run scripts/setup.sh",
+        js.display()
+    );
+    McpServerConfig::stdio("fs", "node", &[js.to_str().unwrap(), dir.to_str().unwrap()])
+}
+
+async fn node(dir: &Path) -> (String, tokio::sync::oneshot::Sender<()>) {
+    let mut cfg = NodeConfig {
+        listen: "127.0.0.1:0".parse().unwrap(),
+        tiers: vec![EngineConfig {
+            name: "t1".into(),
+            model: root().join("models/t1-q8_0.gguf"),
+            n_ctx: 8192,
+            n_seq_max: 2,
+            threads: 2,
+            ..EngineConfig::default()
+        }],
+        ..NodeConfig::default()
+    };
+    cfg.tool_routing.route_above = 0;
+    cfg.mcp.servers = vec![filesystem_server(dir)];
+    common::in_process(cfg).await
+}
+
+async fn task(c: &reqwest::Client, base: &str, body: Value) -> (u16, Value) {
+    let r = c
+        .post(format!("{base}/v1/agent/tasks"))
+        .json(&body)
+        .send()
+        .await
+        .unwrap();
+    (r.status().as_u16(), r.json().await.unwrap())
+}
+
+fn metric(text: &str, line_start: &str) -> f64 {
+    text.lines()
+        .find(|l| l.starts_with(line_start))
+        .and_then(|l| l.rsplit(' ').next())
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(0.0)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn agent_task_calls_a_real_mcp_tool_and_repeats_hit_the_cache() {
+    let dir = tempfile::tempdir().unwrap();
+    let dir_path = dir.path().canonicalize().unwrap();
+    std::fs::write(dir_path.join("notes.txt"), "launch on friday\n").unwrap();
+    let (base, _stop) = node(&dir_path).await;
+    let c = reqwest::Client::new();
+
+    // The catalog: the server's tools, with their read-only flags.
+    let tools: Value = c
+        .get(format!("{base}/v1/tools"))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(tools["servers"][0]["name"], "fs");
+    assert_eq!(tools["servers"][0]["connected"], true);
+    let find = |n: &str| {
+        tools["tools"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|t| t["name"] == n)
+            .cloned()
+            .unwrap()
+    };
+    assert_eq!(find("list_allowed_directories")["read_only"], true);
+    assert_eq!(find("write_file")["read_only"], false);
+
+    // One task: the first turn must call list_allowed_directories (tool_choice), the
+    // node runs it on the server and feeds the result back for the next turn.
+    let body = json!({
+        "model": "t1",
+        "input": "Which folders may you read?",
+        "tools": ["list_allowed_directories", "read_text_file", "write_file"],
+        "tool_choice": {"type": "function", "function": {"name": "list_allowed_directories"}},
+        "max_turns": 2,
+        "max_tokens": 64,
+    });
+    let (status, t1) = task(&c, &base, body.clone()).await;
+    assert_eq!(status, 200, "{t1}");
+    assert!(
+        ["completed", "max_turns"].contains(&t1["status"].as_str().unwrap()),
+        "{t1}"
+    );
+    let first = &t1["turns"][0]["tool_calls"][0];
+    assert_eq!(first["name"], "list_allowed_directories", "{t1}");
+    assert_eq!(first["source"], "fresh");
+    assert_eq!(first["is_error"], false, "{t1}");
+    assert!(
+        first["result"]
+            .as_str()
+            .unwrap()
+            .contains(dir_path.to_str().unwrap()),
+        "the server's answer names the allowed folder: {first}"
+    );
+    assert!(
+        t1["turns"].as_array().unwrap().len() <= 2,
+        "max_turns is 2: {t1}"
+    );
+    assert!(t1["usage"]["prompt_tokens"].as_u64().unwrap() > 0);
+
+    // The same task again: the read-only result is served from the cache.
+    let (status, t2) = task(&c, &base, body).await;
+    assert_eq!(status, 200, "{t2}");
+    let again = &t2["turns"][0]["tool_calls"][0];
+    assert_eq!(again["name"], "list_allowed_directories");
+    assert_eq!(again["source"], "cached", "{t2}");
+    assert_eq!(again["result"], first["result"]);
+
+    let metrics = c
+        .get(format!("{base}/metrics"))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    assert!(
+        metric(
+            &metrics,
+            "mesh_spec_tool_calls_total{outcome=\"cache_hit\"}"
+        ) >= 1.0,
+        "{metrics}"
+    );
+    assert!(
+        metric(&metrics, "mesh_agent_tasks_total{status=") >= 1.0,
+        "{metrics}"
+    );
+    // Both tasks' first calls, one execution on the server (plus whatever later turns ran).
+    let executed = metric(&metrics, "mesh_mcp_tool_executions_total");
+    let asked: usize = [&t1, &t2]
+        .iter()
+        .flat_map(|t| t["turns"].as_array().unwrap().iter())
+        .map(|turn| turn["tool_calls"].as_array().unwrap().len())
+        .sum();
+    assert!(
+        executed >= 1.0 && (executed as usize) < asked,
+        "executed {executed}, asked {asked}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_agent_tasks_get_400_with_a_reason_and_streaming_reports_progress() {
+    let dir = tempfile::tempdir().unwrap();
+    let dir_path = dir.path().canonicalize().unwrap();
+    let (base, _stop) = node(&dir_path).await;
+    let c = reqwest::Client::new();
+
+    let (s, e) = task(
+        &c,
+        &base,
+        json!({"model": "t1", "input": "hi", "tools": ["rm_rf"]}),
+    )
+    .await;
+    assert_eq!(s, 400);
+    let msg = e["error"]["message"].as_str().unwrap();
+    assert!(
+        msg.contains("unknown tool `rm_rf`") && msg.contains("read_text_file"),
+        "{msg}"
+    );
+    let (s, e) = task(&c, &base, json!({"model": "t1"})).await;
+    assert_eq!(s, 400, "{e}");
+    let (s, e) = task(
+        &c,
+        &base,
+        json!({"model": "t1", "input": "hi", "max_turns": 0}),
+    )
+    .await;
+    assert_eq!((s, e["error"]["param"].as_str()), (400, Some("max_turns")));
+    let (s, e) = task(&c, &base, json!({"model": "t9", "input": "hi"})).await;
+    assert_eq!(
+        (s, e["error"]["code"].as_str()),
+        (404, Some("model_not_found"))
+    );
+    let (s, _) = task(&c, &base, json!({"model": "t1", "input": "hi", "bogus": 1})).await;
+    assert_eq!(s, 400);
+
+    // Streaming: a `turn` event, a `tool` event with the server's answer, then `done`.
+    let body = json!({
+        "model": "t1",
+        "input": "Which folders may you read?",
+        "tools": ["list_allowed_directories"],
+        "tool_choice": {"type": "function", "function": {"name": "list_allowed_directories"}},
+        "max_turns": 1,
+        "max_tokens": 48,
+        "stream": true,
+    });
+    let text = c
+        .post(format!("{base}/v1/agent/tasks"))
+        .json(&body)
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    let events: Vec<(&str, Value)> = text
+        .split("\n\n")
+        .filter_map(|block| {
+            let ev = block.lines().find_map(|l| l.strip_prefix("event: "))?;
+            let data = block.lines().find_map(|l| l.strip_prefix("data: "))?;
+            Some((ev, serde_json::from_str(data).ok()?))
+        })
+        .collect();
+    let kinds: Vec<&str> = events.iter().map(|(k, _)| *k).collect();
+    assert_eq!(kinds, ["turn", "tool", "done"], "{text}");
+    assert_eq!(events[1].1["call"]["name"], "list_allowed_directories");
+    assert_eq!(events[2].1["status"], "max_turns");
+    assert_eq!(
+        events[2].1["turns"][0]["tool_calls"][0]["name"],
+        "list_allowed_directories"
+    );
+}
