@@ -14,11 +14,12 @@
 //! escalating when its answer is not confident), whose token count includes
 //! every tier it tried.
 //!
-//! Then the node runs agent tasks itself (`POST /v1/agent/tasks`) with a real MCP
-//! server — the reference filesystem server from npm, installed by
-//! `scripts/setup.sh` — over a folder of notes, twice: the first round shows t1
-//! drafting each t3 turn so read-only tool calls start early, the second round
-//! (the same tasks again) is served by the read-only result cache. `--no-mcp` skips it.
+//! Then the node runs the same tasks itself (`POST /v1/agent/tasks`): the tools
+//! are served by an MCP server over stdio (`scripts/mcp/catalog-server.mjs`, the
+//! bundled catalog with stand-in results after 150 ms, installed by
+//! `scripts/setup.sh`), the node calls them, and t1 drafts each t3 turn so that
+//! read-only calls start before t3 has finished. The tasks run twice: the second
+//! round is served from the read-only result cache. `--no-mcp` skips this part.
 
 use std::time::{Duration, Instant};
 
@@ -169,25 +170,31 @@ async fn main() -> anyhow::Result<()> {
         tiers,
         ..NodeConfig::default()
     };
-    let notes = tempdir_with_notes()?;
-    let fs_server = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("../.cache/mcp/node_modules/@modelcontextprotocol/server-filesystem/dist/index.js");
-    let mcp = a.mcp && fs_server.exists();
+    let catalog_server =
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../.cache/mcp/catalog-server.mjs");
+    let mcp = a.mcp && catalog_server.exists();
     if a.mcp && !mcp {
         println!(
             "(no MCP part: {} is missing; run scripts/setup.sh)",
-            fs_server.display()
+            catalog_server.display()
         );
     }
     if mcp {
-        cfg.mcp.servers = vec![mesh_control::mcp::McpServerConfig::stdio(
-            "notes",
+        let mut server = mesh_control::mcp::McpServerConfig::stdio(
+            "catalog",
             "node",
             &[
-                fs_server.to_str().unwrap_or_default(),
-                notes.to_str().unwrap_or_default(),
+                catalog_server.to_str().unwrap_or_default(),
+                dir.join("fixtures/catalog.jsonl")
+                    .to_str()
+                    .unwrap_or_default(),
+                "150",
             ],
-        )];
+        );
+        // Its 200 tools touch unrelated (stand-in) state: a booking does not change
+        // a weather report, so writes need not drop the cached reads.
+        server.invalidate_on_write = false;
+        cfg.mcp.servers = vec![server];
     }
     let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
     let t0 = Instant::now();
@@ -283,105 +290,80 @@ async fn main() -> anyhow::Result<()> {
         .sum();
     println!("\nnode metrics: {generated} tokens generated (see {base}/metrics while it runs)");
     if mcp {
-        mcp_rounds(&http, &base, &notes, &a).await?;
+        mcp_rounds(&http, &base, &tasks, &a).await?;
     }
-    let _ = std::fs::remove_dir_all(&notes);
     let _ = stop_tx.send(());
     node.wait().await
 }
 
-/// A folder of small notes for the filesystem MCP server.
-fn tempdir_with_notes() -> anyhow::Result<std::path::PathBuf> {
-    let dir = std::env::temp_dir().join(format!("mesh-demo-notes-{}", std::process::id()));
-    std::fs::create_dir_all(&dir)?;
-    for (name, text) in [
-        (
-            "launch.txt",
-            "The launch moved to Friday 10:00; the venue is hall B.\n",
-        ),
-        (
-            "budget.txt",
-            "Q3 budget: 41,500 EUR, of which 12,000 for travel.\n",
-        ),
-        (
-            "team.txt",
-            "On call this week: Alice (primary), Bob (secondary).\n",
-        ),
-    ] {
-        std::fs::write(dir.join(name), text)?;
-    }
-    Ok(dir.canonicalize()?)
-}
-
-/// Agent tasks run by the node over the notes server, twice.
+/// The tasks again, run by the node with its MCP tools, twice.
 async fn mcp_rounds(
     http: &reqwest::Client,
     base: &str,
-    notes: &std::path::Path,
+    tasks: &[Value],
     a: &Args,
 ) -> anyhow::Result<()> {
     let model = ["t3", "t2", "cascade", "t1"]
         .into_iter()
         .find(|m| a.tiers.iter().any(|t| t == m))
         .unwrap_or("t1");
-    let prompts: Vec<String> = ["launch.txt", "budget.txt", "team.txt"]
-        .iter()
-        .map(|f| format!("Read the file {}", notes.join(f).display()))
-        .chain(["Which folders may you read?".to_owned()])
-        .collect();
     println!(
-        "\nagent tasks run by the node (POST /v1/agent/tasks, model {model}) with the MCP filesystem server over {}:",
-        notes.display()
+        "\nthe same tasks as agent tasks run by the node (POST /v1/agent/tasks, model {model}, \
+         tools served over MCP by catalog-server.mjs, 150 ms per call):"
     );
+    println!(
+        "| round | tasks | tool calls | fresh | speculative | cached | tool time saved | wall |"
+    );
+    println!("|---|---|---|---|---|---|---|---|");
     for round in 1..=2 {
         let t0 = Instant::now();
-        for p in &prompts {
-            let body = json!({"model": model, "input": p, "max_turns": 3, "max_tokens": 96,
-                "tools": ["read_text_file", "list_directory", "list_allowed_directories", "write_file"]});
-            let r: Value = http
-                .post(format!("{base}/v1/agent/tasks"))
-                .json(&body)
-                .send()
-                .await?
-                .json()
-                .await?;
-            if let Some(e) = r.get("error").filter(|e| e.is_object()) {
-                anyhow::bail!("agent task refused: {e}");
+        let sem = std::sync::Arc::new(tokio::sync::Semaphore::new(a.agents));
+        let mut handles = Vec::new();
+        for task in tasks.iter().cloned() {
+            let (http, base, sem) = (http.clone(), base.to_owned(), sem.clone());
+            let tools: Vec<Value> = task["tools"]
+                .as_array()
+                .into_iter()
+                .flatten()
+                .map(|t| t["name"].clone())
+                .collect();
+            let body = json!({"model": model, "input": task["user"], "tools": tools, "max_turns": 3, "max_tokens": 128});
+            handles.push(tokio::spawn(async move {
+                let _p = sem.acquire().await;
+                let r = http
+                    .post(format!("{base}/v1/agent/tasks"))
+                    .json(&body)
+                    .send()
+                    .await?;
+                anyhow::Ok(r.json::<Value>().await?)
+            }));
+        }
+        let (mut calls, mut by_source, mut saved) =
+            (0, std::collections::BTreeMap::<String, usize>::new(), 0u64);
+        for h in handles {
+            let r = h.await??;
+            if r.get("turns").is_none() {
+                anyhow::bail!("agent task refused: {r}");
             }
-            let calls: Vec<String> = r["turns"]
+            for c in r["turns"]
                 .as_array()
                 .into_iter()
                 .flatten()
                 .flat_map(|t| t["tool_calls"].as_array().cloned().unwrap_or_default())
-                .map(|c| {
-                    let outcome = c["source"]
-                        .as_str()
-                        .or(c["error"].as_str().map(|_| "error"))
-                        .unwrap_or("?");
-                    format!(
-                        "{}({}) [{outcome}]",
-                        c["name"].as_str().unwrap_or(""),
-                        short(&c["arguments"].to_string(), 60)
-                    )
-                })
-                .collect();
-            if !a.quiet {
-                println!(
-                    "  round {round} {:<9} user: {}\n      calls: {}\n      answer: {}",
-                    r["status"].as_str().unwrap_or(""),
-                    short(p, 80),
-                    if calls.is_empty() {
-                        "(none)".into()
-                    } else {
-                        short(&calls.join(", "), 160)
-                    },
-                    short(r["output"].as_str().unwrap_or(""), 90)
-                );
+            {
+                calls += 1;
+                let src = c["source"].as_str().unwrap_or("error").to_owned();
+                *by_source.entry(src).or_default() += 1;
+                saved += c["saved_ms"].as_u64().unwrap_or(0);
             }
         }
+        let n = |k: &str| by_source.get(k).copied().unwrap_or(0);
         println!(
-            "  round {round}: {} tasks in {:.0} ms",
-            prompts.len(),
+            "| {round} | {} | {calls} | {} | {} | {} | {saved} ms | {:.0} ms |",
+            tasks.len(),
+            n("fresh"),
+            n("speculative"),
+            n("cached"),
             t0.elapsed().as_secs_f64() * 1e3
         );
     }
@@ -397,9 +379,6 @@ async fn mcp_rounds(
             l.starts_with("mesh_spec_tool_") || l.starts_with("mesh_mcp_tool_executions_total")
         })
         .collect();
-    println!(
-        "speculative tool calls and the result cache (GET /metrics):\n  {}",
-        spec.join("\n  ")
-    );
+    println!("\nGET /metrics:\n  {}", spec.join("\n  "));
     Ok(())
 }

@@ -142,8 +142,9 @@ fi
 
 # ---------------------------------------------------------------- MCP servers
 # Two reference MCP servers from npm (filesystem over stdio, "everything" over
-# streamable HTTP) for the agent-layer tests and the demo, pinned by
-# scripts/mcp/package-lock.json and installed into .cache/mcp.
+# streamable HTTP) for the agent-layer tests, and the MCP SDK that runs
+# scripts/mcp/catalog-server.mjs (the bundled tool catalog as an MCP server, for
+# the demo); pinned by scripts/mcp/package-lock.json, installed into .cache/mcp.
 MCP_DIR="$ROOT/.cache/mcp"
 MCP_SRC="$ROOT/scripts/mcp"
 if ! command -v node >/dev/null 2>&1 || ! command -v npm >/dev/null 2>&1; then
@@ -153,13 +154,13 @@ if ! command -v node >/dev/null 2>&1 || ! command -v npm >/dev/null 2>&1; then
     "${SUDO[@]}" apt-get update -qq
     "${SUDO[@]}" apt-get install -y -qq --no-install-recommends nodejs npm >/dev/null
 fi
-mcp_stamp="$(cat "$MCP_SRC/package-lock.json" | sha256sum | cut -d' ' -f1)"
+mcp_stamp="$(cat "$MCP_SRC/package-lock.json" "$MCP_SRC/catalog-server.mjs" | sha256sum | cut -d' ' -f1)"
 if [[ -f "$MCP_DIR/.mesh-stamp" && "$(cat "$MCP_DIR/.mesh-stamp")" == "$mcp_stamp" ]]; then
     say "mcp: reference servers up to date (.cache/mcp)"
 else
     say "mcp: installing reference MCP servers into .cache/mcp (node $(node --version))"
     mkdir -p "$MCP_DIR"
-    cp "$MCP_SRC/package.json" "$MCP_SRC/package-lock.json" "$MCP_DIR/"
+    cp "$MCP_SRC/package.json" "$MCP_SRC/package-lock.json" "$MCP_SRC/catalog-server.mjs" "$MCP_DIR/"
     (cd "$MCP_DIR" && npm ci --no-audit --no-fund --loglevel=error >/dev/null) || die "npm ci in .cache/mcp failed"
     printf '%s\n' "$mcp_stamp" >"$MCP_DIR/.mesh-stamp"
     say "mcp: done"

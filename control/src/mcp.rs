@@ -70,6 +70,11 @@ pub struct McpServerConfig {
     /// Believe the server's `readOnlyHint` annotations.
     #[serde(default = "yes")]
     pub trust_read_only_hint: bool,
+    /// A call of one of its tools with side effects drops every cached read-only
+    /// result of this server (it may have changed what they read). Turn off for
+    /// servers whose tools touch unrelated state.
+    #[serde(default = "yes")]
+    pub invalidate_on_write: bool,
     /// How long starting the server and the MCP handshake may take.
     #[serde(default = "default_connect_ms")]
     pub connect_timeout_ms: u64,
@@ -99,6 +104,7 @@ impl McpServerConfig {
             url: None,
             read_only: vec![],
             trust_read_only_hint: true,
+            invalidate_on_write: true,
             connect_timeout_ms: default_connect_ms(),
             call_timeout_ms: default_call_ms(),
         }
@@ -211,6 +217,9 @@ pub struct McpTool {
     pub parameters: Value,
     /// Safe to run speculatively and to cache (see the module docs).
     pub read_only: bool,
+    /// Its calls (when not read-only) drop the server's cached results.
+    #[serde(skip)]
+    pub invalidates: bool,
 }
 
 /// What a tool call returned.
@@ -434,6 +443,7 @@ impl McpHub {
                     parameters: Value::Object((*t.input_schema).clone()),
                     read_only: server.cfg.read_only.contains(&remote)
                         || (server.cfg.trust_read_only_hint && hinted),
+                    invalidates: server.cfg.invalidate_on_write,
                 });
             }
             info!(server = %server.cfg.name, tools = hub.tools.iter().filter(|t| t.server == server.cfg.name).count(), "MCP server connected");

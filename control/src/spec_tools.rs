@@ -13,7 +13,8 @@
 //! Results of read-only calls stay for `ttl` and serve later identical calls (a
 //! repeated workload hits without speculating). A call of a tool with side effects is
 //! never started speculatively, never served from the cache, and clears the cached
-//! results of its server, since it may have changed what they read.
+//! results of its server, since it may have changed what they read (unless the
+//! server is configured with `invalidate_on_write = false`).
 
 use std::collections::BTreeMap;
 use std::future::Future;
@@ -155,6 +156,10 @@ pub trait ToolBackend: Send + Sync + 'static {
     fn read_only(&self, name: &str) -> Option<bool>;
     /// The server a tool lives on.
     fn server(&self, name: &str) -> String;
+    /// Whether a call of this (not read-only) tool drops its server's cached results.
+    fn invalidates(&self, _name: &str) -> bool {
+        true
+    }
 }
 
 impl ToolBackend for McpHub {
@@ -173,6 +178,9 @@ impl ToolBackend for McpHub {
         self.tool(name)
             .map(|t| t.server.clone())
             .unwrap_or_default()
+    }
+    fn invalidates(&self, name: &str) -> bool {
+        self.tool(name).is_none_or(|t| t.invalidates)
     }
 }
 
@@ -321,8 +329,10 @@ impl<B: ToolBackend> ToolRunner<B> {
             .read_only(name)
             .ok_or_else(|| McpError::UnknownTool(name.to_owned()))?;
         if !read_only {
-            let server = self.backend.server(name);
-            self.slots.retain(|_, s| s.server != server);
+            if self.backend.invalidates(name) {
+                let server = self.backend.server(name);
+                self.slots.retain(|_, s| s.server != server);
+            }
             self.stats.executed.fetch_add(1, Ordering::Relaxed);
             let output = self.backend.run(name, args).await?;
             return Ok(Executed {
@@ -410,6 +420,8 @@ mod tests {
     #[derive(Default)]
     struct Recorder {
         ran: Mutex<Vec<String>>,
+        /// Writes keep cached reads (`invalidate_on_write = false`).
+        independent: bool,
     }
 
     impl ToolBackend for Recorder {
@@ -439,6 +451,9 @@ mod tests {
                 "write" | "slow_write" => Some(false),
                 _ => None,
             }
+        }
+        fn invalidates(&self, _name: &str) -> bool {
+            !self.independent
         }
         fn server(&self, _name: &str) -> String {
             "s".into()
@@ -562,6 +577,20 @@ mod tests {
         assert_eq!(
             r.execute("read", &args).await.unwrap().source,
             Source::Fresh
+        );
+        // A server configured with independent tools keeps them.
+        let r = Arc::new(ToolRunner::new(
+            Arc::new(Recorder {
+                independent: true,
+                ..Recorder::default()
+            }),
+            Duration::from_secs(60),
+        ));
+        r.execute("read", &args).await.unwrap();
+        r.execute("write", &serde_json::json!({})).await.unwrap();
+        assert_eq!(
+            r.execute("read", &args).await.unwrap().source,
+            Source::Cached
         );
     }
 
