@@ -40,11 +40,74 @@ use crate::config::AgentSettings;
 use crate::gateway::{ApiError, AppState};
 use crate::metrics::StatusLabel;
 
-/// The agent layer of a node: its MCP servers and the tool runner.
+/// A tool from a catalog file: offered to the model, executed by the client.
+#[derive(Debug, Clone, PartialEq)]
+pub struct CatalogTool {
+    /// Name.
+    pub name: String,
+    /// Description shown to the model.
+    pub description: String,
+    /// JSON schema of the arguments.
+    pub parameters: Value,
+    /// The file it came from.
+    pub file: String,
+}
+
+/// Reads catalog files: JSON arrays or JSON lines of tool definitions, either OpenAI's
+/// `{"type": "function", "function": {...}}` or `{"name", "description", "parameters"}`.
+pub fn load_catalog_files(paths: &[std::path::PathBuf]) -> Result<Vec<CatalogTool>, String> {
+    let mut out: Vec<CatalogTool> = vec![];
+    for p in paths {
+        let file = p.display().to_string();
+        let text =
+            std::fs::read_to_string(p).map_err(|e| format!("agent.catalog_files: {file}: {e}"))?;
+        let entries: Vec<Value> = match serde_json::from_str::<Value>(&text) {
+            Ok(Value::Array(a)) => a,
+            _ => text
+                .lines()
+                .enumerate()
+                .filter(|(_, l)| !l.trim().is_empty())
+                .map(|(i, l)| {
+                    serde_json::from_str(l)
+                        .map_err(|e| format!("agent.catalog_files: {file}:{}: {e}", i + 1))
+                })
+                .collect::<Result<_, _>>()?,
+        };
+        for (i, e) in entries.iter().enumerate() {
+            let f = e.get("function").unwrap_or(e);
+            let name = f["name"]
+                .as_str()
+                .filter(|n| !n.is_empty())
+                .ok_or_else(|| {
+                    format!("agent.catalog_files: {file}: entry {} has no `name`", i + 1)
+                })?;
+            if out.iter().any(|t| t.name == name) {
+                return Err(format!(
+                    "agent.catalog_files: tool `{name}` is defined twice"
+                ));
+            }
+            out.push(CatalogTool {
+                name: name.to_owned(),
+                description: f["description"].as_str().unwrap_or_default().to_owned(),
+                parameters: f
+                    .get("parameters")
+                    .cloned()
+                    .unwrap_or_else(|| json!({"type": "object", "properties": {}})),
+                file: file.clone(),
+            });
+        }
+    }
+    Ok(out)
+}
+
+/// The agent layer of a node: its MCP servers, catalog-file tools and the tool runner.
 #[derive(Debug)]
 pub struct Agent {
     /// MCP servers and their tool catalog.
     pub hub: Arc<McpHub>,
+    /// Tools from `[agent] catalog_files`: the model may call them, the client runs them
+    /// (the task stops with `requires_action`).
+    pub catalog: Vec<CatalogTool>,
     /// Executes tool calls (speculation, read-only cache).
     pub runner: Arc<ToolRunner>,
     /// `[agent]` settings.
@@ -61,9 +124,16 @@ impl Agent {
         ));
         Self {
             hub,
+            catalog: vec![],
             runner,
             settings,
         }
+    }
+
+    /// Adds the client-executed tools of catalog files.
+    pub fn with_catalog(mut self, catalog: Vec<CatalogTool>) -> Self {
+        self.catalog = catalog;
+        self
     }
 }
 
@@ -112,6 +182,8 @@ struct Task {
     max_tokens: usize,
     reasoning_budget: Option<usize>,
     draft: Option<String>,
+    /// Tools the client runs (from catalog files).
+    client_tools: std::collections::HashSet<String>,
 }
 
 fn bad(msg: impl Into<String>, param: &str) -> ApiError {
@@ -128,31 +200,49 @@ impl TaskRequest {
         if messages.is_empty() {
             return Err(bad("give `input` or a non-empty `messages`", "messages"));
         }
-        if agent.hub.tools().is_empty() {
+        if agent.hub.tools().is_empty() && agent.catalog.is_empty() {
             return Err(bad(
-                "this node has no MCP tools: register servers under [[mcp.servers]] (see GET /v1/tools)",
+                "this node has no tools: register MCP servers under [[mcp.servers]] or [agent] catalog_files (see GET /v1/tools)",
                 "tools",
             ));
         }
         let names: Vec<String> = match self.tools {
-            None => agent.hub.tools().iter().map(|t| t.name.clone()).collect(),
+            None => agent
+                .hub
+                .tools()
+                .iter()
+                .map(|t| t.name.clone())
+                .chain(agent.catalog.iter().map(|t| t.name.clone()))
+                .collect(),
             Some(v) if v.is_empty() => return Err(bad("`tools` must not be empty", "tools")),
             Some(v) => v,
         };
         let mut tools = Vec::with_capacity(names.len());
+        let mut client_tools = std::collections::HashSet::new();
         for n in &names {
-            let t = agent.hub.tool(n).ok_or_else(|| {
-                let known: Vec<&str> = agent.hub.tools().iter().map(|t| t.name.as_str()).collect();
-                bad(
+            let (name, description, parameters) = if let Some(t) = agent.hub.tool(n) {
+                (&t.name, &t.description, &t.parameters)
+            } else if let Some(t) = agent.catalog.iter().find(|t| &t.name == n) {
+                client_tools.insert(t.name.clone());
+                (&t.name, &t.description, &t.parameters)
+            } else {
+                let known: Vec<&str> = agent
+                    .hub
+                    .tools()
+                    .iter()
+                    .map(|t| t.name.as_str())
+                    .chain(agent.catalog.iter().map(|t| t.name.as_str()))
+                    .collect();
+                return Err(bad(
                     format!(
-                        "unknown tool `{n}`; this node's MCP tools are: {}",
+                        "unknown tool `{n}`; this node's tools are: {}",
                         known.join(", ")
                     ),
                     "tools",
-                )
-            })?;
+                ));
+            };
             tools.push(json!({"type": "function", "function": {
-                "name": t.name, "description": t.description, "parameters": t.parameters}}));
+                "name": name, "description": description, "parameters": parameters}}));
         }
         let max_turns = self.max_turns.unwrap_or(s.max_turns);
         if max_turns == 0 || max_turns > s.max_turns_limit {
@@ -182,6 +272,7 @@ impl TaskRequest {
                 max_turns,
                 deadline: Instant::now() + Duration::from_secs_f64(timeout),
                 max_tokens: self.max_tokens.unwrap_or(s.max_tokens),
+                client_tools,
                 reasoning_budget: self.reasoning_budget,
                 draft,
             },
@@ -197,6 +288,8 @@ enum Status {
     MaxTurns,
     TimedOut,
     Failed,
+    /// The model called a client-executed tool: the client runs it and continues.
+    RequiresAction,
 }
 
 impl Status {
@@ -206,6 +299,7 @@ impl Status {
             Status::MaxTurns => "max_turns",
             Status::TimedOut => "timed_out",
             Status::Failed => "failed",
+            Status::RequiresAction => "requires_action",
         }
     }
 }
@@ -278,6 +372,7 @@ async fn run_task(
     let mut usage = json!({"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0});
     let mut output = String::new();
     let mut error: Option<String> = None;
+    let mut required: Option<Value> = None;
     let mut status = Status::MaxTurns;
     for turn in 1..=t.max_turns {
         let remaining = t.deadline.saturating_duration_since(Instant::now());
@@ -361,6 +456,9 @@ async fn run_task(
             break;
         }
         t.messages.push(completion["choices"][0]["message"].clone());
+        let (pending, calls): (Vec<_>, Vec<_>) = calls
+            .into_iter()
+            .partition(|(_, name, _)| t.client_tools.contains(name));
         let mut executed = vec![];
         for (call_id, name, args) in calls {
             let remaining = t.deadline.saturating_duration_since(Instant::now());
@@ -403,6 +501,14 @@ async fn run_task(
         if status == Status::TimedOut {
             break;
         }
+        if !pending.is_empty() {
+            status = Status::RequiresAction;
+            required = Some(
+                json!({"tool_calls": pending.iter().map(|(id, name, args)| json!({
+                "id": id, "type": "function", "function": {"name": name, "arguments": args.to_string()}})).collect::<Vec<_>>()}),
+            );
+            break;
+        }
     }
     state
         .metrics()
@@ -415,6 +521,12 @@ async fn run_task(
         "output": output, "turns": turns, "usage": usage});
     if let Some(e) = error {
         v["error"] = json!(e);
+    }
+    if let Some(r) = required {
+        // The client answers these calls with `tool` messages appended to `messages` and
+        // sends the task again.
+        v["required_action"] = r;
+        v["messages"] = Value::Array(t.messages);
     }
     v
 }
@@ -494,8 +606,19 @@ pub(crate) async fn list_tools(State(state): State<AppState>) -> Response {
                 "read_only": t.read_only, "parameters": t.parameters})
         })
         .collect();
-    Json(json!({"servers": agent.hub.servers(), "tools": tools, "speculation": agent.runner.counts()}))
-        .into_response()
+    let catalog: Vec<Value> = agent
+        .catalog
+        .iter()
+        .map(|t| {
+            json!({"name": t.name, "file": t.file, "description": t.description,
+                "executor": "client", "parameters": t.parameters})
+        })
+        .collect();
+    Json(
+        json!({"servers": agent.hub.servers(), "tools": tools, "catalog": catalog,
+        "speculation": agent.runner.counts()}),
+    )
+    .into_response()
 }
 
 #[cfg(test)]

@@ -86,6 +86,9 @@ pub struct AgentSettings {
     pub draft_max_tokens: usize,
     /// Seconds a read-only tool result serves identical calls (0: only its own turn).
     pub cache_ttl_s: f64,
+    /// Files of tool definitions (JSON array or JSON lines) the model may call and the
+    /// client executes: a task that calls one stops with `requires_action`.
+    pub catalog_files: Vec<PathBuf>,
 }
 
 impl Default for AgentSettings {
@@ -101,6 +104,7 @@ impl Default for AgentSettings {
             draft_model: None,
             draft_max_tokens: 96,
             cache_ttl_s: 60.0,
+            catalog_files: vec![],
         }
     }
 }

@@ -126,7 +126,11 @@ mod node_run {
                 .cloned();
         }
         let hub = mesh_control::mcp::McpHub::connect(&cfg.mcp.servers).await;
-        let agent = std::sync::Arc::new(crate::agent::Agent::new(hub, agent_settings));
+        let catalog = crate::agent::load_catalog_files(&agent_settings.catalog_files)
+            .map_err(anyhow::Error::msg)?;
+        let agent = std::sync::Arc::new(
+            crate::agent::Agent::new(hub, agent_settings).with_catalog(catalog),
+        );
         let app =
             gateway::router(AppState::new(registry, cluster.clone(), settings).with_agent(agent));
         let server = tokio::spawn(async move {

@@ -238,3 +238,81 @@ async fn bad_agent_tasks_get_400_with_a_reason_and_streaming_reports_progress() 
         "list_allowed_directories"
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn catalog_file_tools_stop_the_task_for_the_client() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut cfg = NodeConfig {
+        listen: "127.0.0.1:0".parse().unwrap(),
+        tiers: vec![EngineConfig {
+            name: "t1".into(),
+            model: root().join("models/t1-q8_0.gguf"),
+            n_ctx: 8192,
+            n_seq_max: 2,
+            threads: 2,
+            ..EngineConfig::default()
+        }],
+        ..NodeConfig::default()
+    };
+    cfg.tool_routing.route_above = 0;
+    cfg.mcp.servers = vec![filesystem_server(&dir.path().canonicalize().unwrap())];
+    cfg.agent.catalog_files = vec![root().join("models/fixtures/catalog.jsonl")];
+    let (base, _stop) = common::in_process(cfg).await;
+    let c = reqwest::Client::new();
+
+    let tools: Value = c
+        .get(format!("{base}/v1/tools"))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(tools["catalog"].as_array().unwrap().len(), 200);
+    assert_eq!(tools["catalog"][0]["executor"], "client");
+
+    // The model calls a catalog tool: the node does not run it, the task stops and
+    // hands the call and the conversation to the client.
+    let (s, t) = task(
+        &c,
+        &base,
+        json!({"model": "t1", "input": "What is the weather in Oslo right now?",
+            "tools": ["weather_get_current_weather", "list_allowed_directories"],
+            "tool_choice": {"type": "function", "function": {"name": "weather_get_current_weather"}},
+            "max_turns": 3, "max_tokens": 64}),
+    )
+    .await;
+    assert_eq!(s, 200, "{t}");
+    assert_eq!(t["status"], "requires_action", "{t}");
+    let call = &t["required_action"]["tool_calls"][0];
+    assert_eq!(call["function"]["name"], "weather_get_current_weather");
+    let messages = t["messages"].as_array().unwrap().clone();
+    assert_eq!(messages.last().unwrap()["role"], "assistant");
+    assert_eq!(
+        t["turns"][0]["tool_calls"].as_array().unwrap().len(),
+        0,
+        "nothing ran on the node"
+    );
+
+    // The client answers and continues the same conversation.
+    let mut messages = messages;
+    messages.push(json!({"role": "tool", "tool_call_id": call["id"], "content": "{\"temp_c\": 4, \"sky\": \"rain\"}"}));
+    let (s, t2) = task(
+        &c,
+        &base,
+        json!({"model": "t1", "messages": messages, "tools": ["weather_get_current_weather", "list_allowed_directories"],
+            "max_turns": 1, "max_tokens": 64}),
+    )
+    .await;
+    assert_eq!(s, 200, "{t2}");
+    assert!(
+        ["completed", "requires_action"].contains(&t2["status"].as_str().unwrap()),
+        "{t2}"
+    );
+    // Same tools, a longer conversation: the call and its result are in the prompt.
+    assert!(
+        t2["usage"]["prompt_tokens"].as_u64().unwrap()
+            > t["usage"]["prompt_tokens"].as_u64().unwrap(),
+        "{t} then {t2}"
+    );
+}
