@@ -26,7 +26,8 @@ fn filesystem_server(dir: &Path) -> McpServerConfig {
     McpServerConfig::stdio("fs", "node", &[js.to_str().unwrap(), dir.to_str().unwrap()])
 }
 
-async fn node(dir: &Path) -> (String, tokio::sync::oneshot::Sender<()>) {
+/// A node with the bundled t1 and the filesystem server over `dir`.
+fn config(dir: &Path) -> NodeConfig {
     let mut cfg = NodeConfig {
         listen: "127.0.0.1:0".parse().unwrap(),
         tiers: vec![EngineConfig {
@@ -41,7 +42,11 @@ async fn node(dir: &Path) -> (String, tokio::sync::oneshot::Sender<()>) {
     };
     cfg.tool_routing.route_above = 0;
     cfg.mcp.servers = vec![filesystem_server(dir)];
-    common::in_process(cfg).await
+    cfg
+}
+
+async fn node(dir: &Path) -> (String, tokio::sync::oneshot::Sender<()>) {
+    common::in_process(config(dir)).await
 }
 
 async fn task(c: &reqwest::Client, base: &str, body: Value) -> (u16, Value) {
@@ -242,20 +247,7 @@ async fn bad_agent_tasks_get_400_with_a_reason_and_streaming_reports_progress() 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn catalog_file_tools_stop_the_task_for_the_client() {
     let dir = tempfile::tempdir().unwrap();
-    let mut cfg = NodeConfig {
-        listen: "127.0.0.1:0".parse().unwrap(),
-        tiers: vec![EngineConfig {
-            name: "t1".into(),
-            model: root().join("models/t1-q8_0.gguf"),
-            n_ctx: 8192,
-            n_seq_max: 2,
-            threads: 2,
-            ..EngineConfig::default()
-        }],
-        ..NodeConfig::default()
-    };
-    cfg.tool_routing.route_above = 0;
-    cfg.mcp.servers = vec![filesystem_server(&dir.path().canonicalize().unwrap())];
+    let mut cfg = config(&dir.path().canonicalize().unwrap());
     cfg.agent.catalog_files = vec![root().join("models/fixtures/catalog.jsonl")];
     let (base, _stop) = common::in_process(cfg).await;
     let c = reqwest::Client::new();
