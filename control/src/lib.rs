@@ -19,8 +19,7 @@
 //! ([`gate`]), knobs and policy state file ([`policy`]), and A/B probe windows on a real
 //! engine ([`trial`]) (`docs/tuner.md`).
 //!
-//! Not built yet (see `docs/architecture.md`): MCP, speculative tool calls, the tuner
-//! as a node task.
+//! The node serves the tuner over HTTP (`mesh/src/control_api.rs`).
 
 pub mod embed;
 mod error;

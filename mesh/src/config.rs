@@ -51,6 +51,82 @@ pub struct NodeConfig {
     pub mcp: McpSettings,
     /// The server-side agent loop (`[agent]`).
     pub agent: AgentSettings,
+    /// The policy tuner (`[tuner]`): state file, probe workload, gate.
+    pub tuner: TunerSettings,
+}
+
+/// The policy tuner on this node (`[tuner]`, `POST /v1/control/tune`).
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct TunerSettings {
+    /// Whether `POST /v1/control/tune` runs cycles (the live policy is read either way).
+    pub enabled: bool,
+    /// Versioned policy file: loaded at start when present (the node refuses to start on a
+    /// corrupt one), written on every accepted change; decisions go to
+    /// `<file>.decisions.jsonl`. None: the policy starts from `[cascade]`, `[reasoning]` and
+    /// `tool_routing.router.top_k` and lives in memory.
+    pub state_file: Option<PathBuf>,
+    /// Probe tasks (JSON lines as `models/fixtures/eval-heldout.jsonl`).
+    pub probe_tasks: PathBuf,
+    /// Task kinds of the probe (`call`, `hard`, `none`, `result`); empty = all.
+    pub probe_kinds: Vec<String>,
+    /// Tasks per trial window (each runs once per window, so a trial costs 2 x this many
+    /// requests, and a rule-driven cycle 3 x).
+    pub probe_n: usize,
+    /// Model the probe requests name; default the cascade's model id.
+    pub probe_model: Option<String>,
+    /// Completion budget of a probe request.
+    pub probe_max_tokens: usize,
+    /// Probe accuracy the rules hold the policy to.
+    pub accuracy_target: f64,
+    /// Fewest requests in a window before a rule may fire.
+    pub min_requests: u64,
+    /// The statistical gate's thresholds.
+    pub gate: mesh_control::gate::GateConfig,
+}
+
+impl Default for TunerSettings {
+    fn default() -> Self {
+        let t = mesh_control::tuner::TunerConfig::default();
+        Self {
+            enabled: true,
+            state_file: None,
+            probe_tasks: models_dir().join("fixtures/eval-heldout.jsonl"),
+            probe_kinds: vec![],
+            probe_n: 40,
+            probe_model: None,
+            probe_max_tokens: 160,
+            accuracy_target: t.accuracy_target,
+            min_requests: t.min_requests,
+            gate: t.gate,
+        }
+    }
+}
+
+impl TunerSettings {
+    /// The rules' targets and the gate.
+    pub fn tuner_config(&self) -> mesh_control::tuner::TunerConfig {
+        mesh_control::tuner::TunerConfig {
+            accuracy_target: self.accuracy_target,
+            min_requests: self.min_requests,
+            gate: self.gate.clone(),
+        }
+    }
+
+    fn validate(&self) -> anyhow::Result<()> {
+        anyhow::ensure!(self.probe_n > 0, "tuner.probe_n must be at least 1");
+        anyhow::ensure!(
+            self.probe_max_tokens > 0,
+            "tuner.probe_max_tokens must be at least 1"
+        );
+        anyhow::ensure!(
+            (0.0..=1.0).contains(&self.accuracy_target),
+            "tuner.accuracy_target must be in [0, 1]"
+        );
+        self.gate
+            .validate()
+            .map_err(|e| anyhow::anyhow!("tuner.{e}"))
+    }
 }
 
 /// MCP servers whose tools agent tasks may call (`POST /v1/agent/tasks`).
@@ -235,6 +311,7 @@ impl Default for NodeConfig {
             placement: mesh_control::placement::PlacementConfig::default(),
             mcp: McpSettings::default(),
             agent: AgentSettings::default(),
+            tuner: TunerSettings::default(),
         }
     }
 }
@@ -304,6 +381,7 @@ impl NodeConfig {
         anyhow::ensure!(self.max_concurrent > 0, "max_concurrent must be at least 1");
         self.cascade.validate().map_err(anyhow::Error::msg)?;
         self.agent.validate()?;
+        self.tuner.validate()?;
         let mut servers = std::collections::HashSet::new();
         for m in &self.mcp.servers {
             m.validate().map_err(anyhow::Error::msg)?;

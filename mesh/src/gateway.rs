@@ -2,7 +2,10 @@
 //!
 //! Routes: `POST /v1/chat/completions`, `POST /v1/completions`,
 //! `GET /v1/models`, `GET /v1/cluster`, `GET /health`, `GET /ready`, `GET /metrics`,
-//! and the agent layer's `POST /v1/agent/tasks` and `GET /v1/tools` ([`crate::agent`]).
+//! and the agent layer's `POST /v1/agent/tasks` and `GET /v1/tools` ([`crate::agent`]), and
+//! the tuner's `POST /v1/control/tune` and `GET /v1/control/policy` ([`crate::control_api`]).
+//! Every request reads the live policy (cascade, reasoning budget, router top-k) once, when
+//! it starts.
 //!
 //! Request path: parse and validate the body (400 with a reason) → pick the
 //! node hosting the tier, local or a peer (404 `model_not_found`, 503 if none is up) → take a concurrency permit (429 with
@@ -49,9 +52,10 @@ pub struct GatewaySettings {
     pub default_max_tokens: usize,
     /// Tier names this node is configured with (for `/ready`).
     pub expected_tiers: Vec<String>,
-    /// The tier cascade clients reach as model [`CascadePolicy::model`].
+    /// The tier cascade clients reach as model [`CascadePolicy::model`] (the start-up
+    /// policy; requests read the live one, see [`crate::control_api::LivePolicy`]).
     pub cascade: CascadePolicy,
-    /// Reasoning-token budgets.
+    /// Reasoning-token budgets (start-up policy, as `cascade`).
     pub reasoning: ReasoningPolicy,
     /// Tool routing for requests with many tools.
     pub tool_routing: ToolRouting,
@@ -75,6 +79,7 @@ pub struct AppState {
     settings: Arc<GatewaySettings>,
     tool_gate: Arc<ToolGate>,
     agent: Option<Arc<crate::agent::Agent>>,
+    tuner: Arc<crate::control_api::Tuner>,
 }
 
 impl AppState {
@@ -92,10 +97,35 @@ impl AppState {
             metrics: Arc::new(Metrics::new(registry.clone())),
             registry,
             permits: Arc::new(Semaphore::new(settings.max_concurrent)),
+            tuner: Arc::new(crate::control_api::Tuner::from_settings(&settings)),
             settings: Arc::new(settings),
             tool_gate: Arc::default(),
             agent: None,
         }
+    }
+
+    /// Reads (and tunes) its policy through this tuner.
+    pub fn with_tuner(mut self, tuner: Arc<crate::control_api::Tuner>) -> Self {
+        self.tuner = tuner;
+        self
+    }
+
+    pub(crate) fn tuner(&self) -> &Arc<crate::control_api::Tuner> {
+        &self.tuner
+    }
+
+    /// The policy in force now; a request reads it once and keeps it to the end.
+    pub(crate) fn policy(&self) -> Arc<mesh_control::policy::Policy> {
+        self.tuner.live.load().policy.clone()
+    }
+
+    pub(crate) fn render_metrics(&self) -> String {
+        let engines: Vec<(String, Arc<mesh_tiers::EngineStats>)> = self
+            .registry
+            .iter()
+            .map(|e| (e.key().clone(), e.value().desc.stats.clone()))
+            .collect();
+        self.metrics.render(&engines)
     }
 
     /// Serves agent tasks (`POST /v1/agent/tasks`) with this agent layer.
@@ -113,8 +143,8 @@ impl AppState {
         &self.metrics
     }
 
-    pub(crate) fn cascade_model(&self) -> &str {
-        &self.settings.cascade.model
+    pub(crate) fn cascade_model(&self) -> String {
+        self.policy().cascade.model.clone()
     }
 
     /// 404 / 503 as a chat request for `model` would get them.
@@ -135,6 +165,7 @@ pub fn router(state: AppState) -> Router {
         .route("/health", get(|| async { Json(json!({"status": "ok"})) }))
         .route("/ready", get(ready))
         .route("/metrics", get(metrics))
+        .merge(crate::control_api::routes())
         .with_state(state)
 }
 
@@ -336,7 +367,7 @@ impl AppState {
     /// With more tools than `route_above`, keeps only the router's top-k for the user's
     /// last message (a `tool_choice` tool always stays). Routing problems (no embedding
     /// model, duplicate names) are logged and the request keeps every tool.
-    async fn route_tools(&self, r: &mut ChatRequest) -> Option<RouterInfo> {
+    async fn route_tools(&self, r: &mut ChatRequest, top_k: usize) -> Option<RouterInfo> {
         let cfg = &self.settings.tool_routing;
         if cfg.route_above == 0 || r.tools.len() <= cfg.route_above {
             return None;
@@ -376,7 +407,7 @@ impl AppState {
                 .map_err(|e| e.to_string())?;
             let forced: Vec<&str> = forced.iter().map(String::as_str).collect();
             let routing = router
-                .route_with(&embedder, &intent, cfg.router.top_k, &forced)
+                .route_with(&embedder, &intent, top_k, &forced)
                 .map_err(|e| e.to_string())?;
             Ok(RouterInfo {
                 offered,
@@ -511,6 +542,13 @@ async fn submit(
     job: &Job,
 ) -> Result<mpsc::UnboundedReceiver<TokenEvent>, ApiError> {
     let retry = state.settings.retry_after_s;
+    if job.req.reasoning_budget.is_some() {
+        state
+            .metrics
+            .reasoning_budgeted
+            .get_or_create(&Metrics::model(&job.model))
+            .inc();
+    }
     state
         .dispatcher
         .clone()
@@ -885,6 +923,15 @@ pub(crate) async fn chat_response(state: &AppState, body: &[u8]) -> Result<Respo
 }
 
 async fn chat_inner(state: &AppState, body: &[u8]) -> Result<Response, ApiError> {
+    chat_with(state, body, state.policy()).await
+}
+
+/// A chat completion under `policy` (the live one, or a tuner trial's).
+pub(crate) async fn chat_with(
+    state: &AppState,
+    body: &[u8],
+    policy: Arc<mesh_control::policy::Policy>,
+) -> Result<Response, ApiError> {
     let arrived = Instant::now();
     let mut r: ChatRequest = parse_body(body)?;
     if r.n.unwrap_or(1) != 1 {
@@ -893,9 +940,9 @@ async fn chat_inner(state: &AppState, body: &[u8]) -> Result<Response, ApiError>
     let span = info_span!("gateway.chat", gen_ai.request.model = %r.model, gen_ai.operation.name = "chat",
         gen_ai.usage.input_tokens = tracing::field::Empty, mesh.tier = %r.model, stream = r.stream);
     async move {
-        let routed = state.route_tools(&mut r).await;
-        if r.model == state.settings.cascade.model {
-            return cascade_chat(state, &r, arrived, routed).await;
+        let routed = state.route_tools(&mut r, policy.router_top_k).await;
+        if r.model == policy.cascade.model {
+            return cascade_chat(state, &r, arrived, routed, &policy).await;
         }
         let mut tier = state.find_tier(&r.model)?;
         let p = prepare(&r, routed.as_ref())?;
@@ -910,7 +957,7 @@ async fn chat_inner(state: &AppState, body: &[u8]) -> Result<Response, ApiError>
             .route_prompt(&r.model, &prompt, &p.scope, true)
             .unwrap_or(tier);
         tracing::Span::current().record("gen_ai.usage.input_tokens", prompt.len());
-        let req = build_request(state, &r, &p, prompt, tier.max_seq_len())?;
+        let req = build_request(state, &r, &p, prompt, tier.max_seq_len(), &policy.reasoning)?;
         let job = Job {
             model: r.model.clone(),
             req,
@@ -965,8 +1012,8 @@ fn last_user_text(messages: &[InMessage]) -> Option<String> {
 }
 
 /// A chat request rendered for the tiers.
-struct Prepared {
-    prompt_text: String,
+pub(crate) struct Prepared {
+    pub(crate) prompt_text: String,
     /// Tools shown in the prompt.
     shown: Vec<ToolSpec>,
     grammar: Option<String>,
@@ -977,7 +1024,7 @@ struct Prepared {
     confidence: Option<f32>,
 }
 
-fn prepare(r: &ChatRequest, routed: Option<&RouterInfo>) -> Result<Prepared, ApiError> {
+pub(crate) fn prepare(r: &ChatRequest, routed: Option<&RouterInfo>) -> Result<Prepared, ApiError> {
     let messages = to_messages(&r.messages)?;
     let (shown, grammar) = tool_plan(to_tools(&r.tools)?, r.tool_choice.as_ref())?;
     let prompt_text = chat::render_prompt(&messages, &shown);
@@ -1004,6 +1051,7 @@ fn build_request(
     p: &Prepared,
     prompt: Vec<i32>,
     max_seq_len: usize,
+    reasoning: &ReasoningPolicy,
 ) -> Result<GenerateRequest, ApiError> {
     let max_tokens = budget(
         state,
@@ -1021,10 +1069,7 @@ fn build_request(
         ignore_eos: r.ignore_eos,
         request_id: String::new(),
         cache_scope: p.scope.clone(),
-        reasoning_budget: state
-            .settings
-            .reasoning
-            .budget(r.reasoning_budget, p.confidence),
+        reasoning_budget: reasoning.budget(r.reasoning_budget, p.confidence),
     })
 }
 
@@ -1069,8 +1114,9 @@ async fn cascade_chat(
     r: &ChatRequest,
     arrived: Instant,
     routed: Option<RouterInfo>,
+    live: &mesh_control::policy::Policy,
 ) -> Result<Response, ApiError> {
-    let policy = &state.settings.cascade;
+    let policy = &live.cascade;
     let p = prepare(r, routed.as_ref())?;
     let mut first = state.find_tier(&policy.tiers[0])?;
     let permit = state.permit()?;
@@ -1084,6 +1130,14 @@ async fn cascade_chat(
     let (start, skipped) = cascade::first_tier(policy, p.confidence);
     let mut steps: Vec<CascadeStep> = Vec::new();
     if let Some(v) = skipped {
+        state
+            .metrics
+            .cascade_steps
+            .get_or_create(&CascadeLabel {
+                tier: policy.tiers[0].clone(),
+                verdict: v.as_str().into(),
+            })
+            .inc();
         steps.push(CascadeStep {
             tier: policy.tiers[0].clone(),
             verdict: v.as_str().into(),
@@ -1113,7 +1167,14 @@ async fn cascade_chat(
                 continue;
             }
         };
-        let req = build_request(state, r, &p, prompt.clone(), target.max_seq_len())?;
+        let req = build_request(
+            state,
+            r,
+            &p,
+            prompt.clone(),
+            target.max_seq_len(),
+            &live.reasoning,
+        )?;
         let job = Job {
             model: tier.clone(),
             req,
@@ -1507,7 +1568,8 @@ async fn models(State(state): State<AppState>) -> Json<Value> {
             data.push(json!({"id": name, "object": "model", "created": 0, "owned_by": "mesh", "meta": {"remote": true}}));
         }
     }
-    let c = &state.settings.cascade;
+    let live = state.policy();
+    let c = &live.cascade;
     let hosted: Vec<String> = data
         .iter()
         .filter_map(|m| m["id"].as_str().map(str::to_owned))

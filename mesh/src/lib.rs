@@ -14,6 +14,8 @@ pub mod agent;
 pub mod client;
 #[cfg(feature = "node")]
 pub mod config;
+#[cfg(feature = "node")]
+pub mod control_api;
 pub mod env;
 #[cfg(feature = "node")]
 pub mod gateway;
@@ -72,6 +74,15 @@ mod node_run {
         shutdown: impl Future<Output = ()> + Send + 'static,
     ) -> anyhow::Result<Running> {
         cfg.validate()?;
+        let start_policy = mesh_control::policy::Policy {
+            cascade: cfg.cascade.clone(),
+            reasoning: cfg.reasoning.clone(),
+            router_top_k: cfg.tool_routing.router.top_k,
+        };
+        let tuner = std::sync::Arc::new(crate::control_api::Tuner::open(
+            cfg.tuner.clone(),
+            start_policy,
+        )?);
         let mut tiers = cfg.tiers.clone();
         let placement = crate::placement::apply(&cfg.placement, &mut tiers);
         let (supervisor, registry) = crate::node::start(tiers).await?;
@@ -131,8 +142,11 @@ mod node_run {
         let agent = std::sync::Arc::new(
             crate::agent::Agent::new(hub, agent_settings).with_catalog(catalog),
         );
-        let app =
-            gateway::router(AppState::new(registry, cluster.clone(), settings).with_agent(agent));
+        let app = gateway::router(
+            AppState::new(registry, cluster.clone(), settings)
+                .with_agent(agent)
+                .with_tuner(tuner),
+        );
         let server = tokio::spawn(async move {
             axum::serve(listener, app)
                 .with_graceful_shutdown(shutdown)

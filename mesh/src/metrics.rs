@@ -129,6 +129,8 @@ pub struct Metrics {
     pub reasoning_tokens: Family<ModelLabel, Counter>,
     /// Think blocks the reasoning governor closed, by model.
     pub reasoning_capped: Family<ModelLabel, Counter>,
+    /// Generations submitted with a thinking budget, by model.
+    pub reasoning_budgeted: Family<ModelLabel, Counter>,
     /// Requests whose tools went through the router, by outcome.
     pub tool_routing: Family<RoutingLabel, Counter>,
     /// Tool schemas the router kept out of prompts.
@@ -165,6 +167,7 @@ impl Default for Metrics {
             cascade_steps: Family::default(),
             reasoning_tokens: Family::default(),
             reasoning_capped: Family::default(),
+            reasoning_budgeted: Family::default(),
             tool_routing: Family::default(),
             tools_removed: Counter::default(),
             agent_tasks: Family::default(),
@@ -219,6 +222,11 @@ impl Default for Metrics {
             "reasoning_capped",
             "Think blocks closed by the reasoning governor",
             m.reasoning_capped.clone(),
+        );
+        registry.register(
+            "reasoning_budgeted",
+            "Generations submitted with a thinking budget",
+            m.reasoning_budgeted.clone(),
         );
         registry.register(
             "tool_routing",
