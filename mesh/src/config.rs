@@ -62,7 +62,8 @@ pub struct TunerSettings {
     /// Whether `POST /v1/control/tune` runs cycles (the live policy is read either way).
     pub enabled: bool,
     /// Versioned policy file: loaded at start when present (the node refuses to start on a
-    /// corrupt one), written on every accepted change; decisions go to
+    /// corrupt one), else written at start from the config; rewritten (atomically) on every
+    /// accepted change only; decisions go to
     /// `<file>.decisions.jsonl`. None: the policy starts from `[cascade]`, `[reasoning]` and
     /// `tool_routing.router.top_k` and lives in memory.
     pub state_file: Option<PathBuf>,

@@ -137,7 +137,12 @@ impl Tuner {
                     tracing::info!(file = %path.display(), version = s.version, "policy from the state file");
                     s
                 }
-                None => PolicyState::new(start),
+                None => {
+                    // Written now, so the file shows the policy in force from the start.
+                    let s = PolicyState::new(start);
+                    s.save(path)?;
+                    s
+                }
             },
             None => PolicyState::new(start),
         };
