@@ -493,32 +493,30 @@ def hard_subs(tool: Tool) -> list[str]:
 def arith_problem(r: random.Random) -> tuple[int, str, str]:
     """(value, how the request says it, the worked steps ending in the value).
 
-    Multi-digit operands with carries, products split by place value and
-    two-operation chains: a small model gets the easy forms and misses the
-    long ones, which is what a cascade needs to see."""
+    Four-digit sums and differences, three-digit by two-digit products split
+    by place value (each partial product still done in one step) and
+    two-operation chains. Every carry has to be worked out before the first
+    digit of the result is written, which takes depth and width a small
+    model lacks: the easy forms are within every tier's reach, the long ones
+    separate the tiers, which is what a cascade needs to see."""
     form = r.choice(["add", "sub", "mul", "mul", "chain"])
     if form == "add":
-        a, b = r.randint(100, 899), r.randint(100, 899)
+        a, b = r.randint(1000, 8999), r.randint(100, 8999)
         v = a + b
         return v, f"{a} plus {b}", f"{a} + {b} = {v}"
     if form == "sub":
-        a = r.randint(300, 999)
-        b = r.randint(100, a - 50)
+        a = r.randint(1500, 9999)
+        b = r.randint(100, a - 100)
         v = a - b
         return v, f"{a} minus {b}", f"{a} - {b} = {v}"
     if form == "mul":
-        a, b = r.randint(12, 99), r.randint(3, 19)
+        a, b = r.randint(102, 999), r.randint(12, 99)
         v = a * b
-        if b > 10:
-            lo = b - 10
-            return v, f"{a} times {b}", f"{a} * {b} = {a} * 10 + {a} * {lo} = {a * 10} + {a * lo} = {v}"
-        if b == 10:
-            return v, f"{a} times {b}", f"{a} * 10 = {v}"
-        hi, lo = a - a % 10, a % 10
+        hi, lo = b - b % 10, b % 10
         if lo == 0:
             return v, f"{a} times {b}", f"{a} * {b} = {v}"
-        return v, f"{a} times {b}", f"{a} * {b} = {hi} * {b} + {lo} * {b} = {hi * b} + {lo * b} = {v}"
-    a, b, c = r.randint(3, 12), r.randint(3, 12), r.randint(2, 40)
+        return v, f"{a} times {b}", f"{a} * {b} = {a} * {hi} + {a} * {lo} = {a * hi} + {a * lo} = {v}"
+    a, b, c = r.randint(12, 99), r.randint(3, 9), r.randint(10, 999)
     if r.random() < 0.5:
         v = a * b + c
         return v, f"{a} times {b} plus {c}", f"{a} * {b} = {a * b}, {a * b} + {c} = {v}"
@@ -528,9 +526,12 @@ def arith_problem(r: random.Random) -> tuple[int, str, str]:
 
 
 def convert_problem(r: random.Random, p: str) -> tuple[int, str, str]:
-    """(value in the parameter's unit, how the request says it, the worked steps)."""
+    """(value in the parameter's unit, how the request says it, the worked steps).
+
+    Two-digit multipliers (up to 30 days, 12 hours, 40 kg) and odd remainders,
+    so the product is not a memorised table entry."""
     if p == "minutes":
-        h = r.randint(1, 4)
+        h = r.randint(1, 12)
         form = r.choice(["whole", "mixed", "half"])
         if form == "whole":
             v = 60 * h
@@ -538,11 +539,11 @@ def convert_problem(r: random.Random, p: str) -> tuple[int, str, str]:
         if form == "half":
             v = 60 * h + 30
             return v, f"for {h}.5 hours", f"{h}.5 hours * 60 = {v} minutes"
-        m = 5 * r.randint(1, 11)
+        m = r.randint(1, 59)
         v = 60 * h + m
         return v, f"for {h} hours {m} minutes", f"{h} * 60 + {m} = {v} minutes"
     if p == "hours":
-        d = r.randint(1, 4)
+        d = r.randint(1, 30)
         if r.random() < 0.4:
             v = 24 * d
             return v, f"for {d} days", f"{d} days * 24 = {v} hours"
@@ -550,7 +551,7 @@ def convert_problem(r: random.Random, p: str) -> tuple[int, str, str]:
         v = 24 * d + h
         return v, f"for {d} days {h} hours", f"{d} * 24 + {h} = {v} hours"
     if p == "grams":
-        kg = r.randint(1, 9)
+        kg = r.randint(1, 40)
         form = r.choice(["whole", "decimal", "mixed"])
         if form == "whole":
             v = 1000 * kg
@@ -559,11 +560,11 @@ def convert_problem(r: random.Random, p: str) -> tuple[int, str, str]:
             t = r.randint(1, 9)
             v = 1000 * kg + 100 * t
             return v, f"of {kg}.{t} kg", f"{kg}.{t} kg * 1000 = {v} grams"
-        g = 50 * r.randint(1, 19)
+        g = r.randint(1, 999)
         v = 1000 * kg + g
         return v, f"of {kg} kg {g} g", f"{kg} * 1000 + {g} = {v} grams"
     # celsius from Fahrenheit: (F - 32) * 5 / 9
-    c = 5 * r.randint(1, 7)
+    c = 5 * r.randint(1, 20)
     f = c * 9 // 5 + 32
     return c, f"to {f} F", f"({f} F - 32) * 5 / 9 = {f - 32} * 5 / 9 = {c} C"
 
@@ -601,7 +602,7 @@ def make_hard(r, tool, pool, by_name, sub: str | None = None) -> Example | None:
             n = r.choice([r.randint(1, SEARCH_CAP), r.randint(SEARCH_CAP + 1, 60)])
             said, calc = str(n), ""
         else:  # stated as pages of results: the count must be computed first
-            k, m = r.randint(2, 6), r.randint(2, 9)
+            k, m = r.randint(2, 9), r.randint(2, 25)
             n = k * m
             said, calc = f"{k} pages of {m}", f"{k} * {m} = {n}, "
         base = tool if tool.action == "search" else by_name[tool.similar[0]]
