@@ -10,6 +10,11 @@
 //! n_ctx = 8192             # KV cells shared by all sequences of this tier
 //! n_seq_max = 8
 //! threads = 1
+//! [[tiers]]
+//! name = "t3"
+//! model = "models/t3-q8_0.gguf"
+//! draft = "t1"             # greedy requests: t1 drafts, t3 verifies (a tier name or a GGUF path)
+//! # or: draft = { model = "t1", k_init = 4, k_min = 1, k_max = 12 }
 //! ```
 
 use std::net::SocketAddr;
@@ -358,7 +363,25 @@ impl NodeConfig {
                 .map_err(|e| anyhow::anyhow!("{}={v}: {e}", env::THREADS))?;
             cfg.tiers.iter_mut().for_each(|t| t.threads = n);
         }
+        cfg.resolve_drafts();
         Ok(cfg)
+    }
+
+    /// Replaces each tier's `draft` that names another tier of this config by that tier's
+    /// GGUF (done at load, so the draft tier need not be served: `--only t3` keeps t1 as
+    /// t3's draft).
+    pub fn resolve_drafts(&mut self) {
+        let models: Vec<(String, PathBuf)> = self
+            .tiers
+            .iter()
+            .map(|t| (t.name.clone(), t.model.clone()))
+            .collect();
+        for t in &mut self.tiers {
+            let Some(d) = &mut t.draft else { continue };
+            if let Some((_, path)) = models.iter().find(|(n, _)| Path::new(n) == d.model) {
+                d.model = path.clone();
+            }
+        }
     }
 
     /// Checks the whole config before anything starts.
@@ -411,6 +434,19 @@ impl NodeConfig {
                 t.name,
                 t.model.display()
             );
+            if let Some(d) = &t.draft {
+                anyhow::ensure!(
+                    d.model != t.model && d.model != Path::new(&t.name),
+                    "tier {}: a tier cannot draft for itself",
+                    t.name
+                );
+                anyhow::ensure!(
+                    d.model.exists(),
+                    "tier {}: draft {} is neither a tier of this node nor a GGUF file",
+                    t.name,
+                    d.model.display()
+                );
+            }
         }
         Ok(())
     }
@@ -431,6 +467,27 @@ mod tests {
         assert_eq!(cfg.tiers[0].threads, 3);
         assert_eq!(cfg.tiers[0].n_seq_max, EngineConfig::default().n_seq_max);
         assert_eq!(cfg.max_concurrent, 64);
+    }
+
+    #[test]
+    fn draft_names_a_tier_or_a_file() {
+        let mut cfg: NodeConfig = toml::from_str(
+            "[[tiers]]\nname = \"t1\"\nmodel = \"a/t1.gguf\"\n\
+             [[tiers]]\nname = \"t3\"\nmodel = \"a/t3.gguf\"\ndraft = \"t1\"\n\
+             [[tiers]]\nname = \"t2\"\nmodel = \"a/t2.gguf\"\n\
+             draft = { model = \"b/d.gguf\", k_max = 6 }\n",
+        )
+        .unwrap();
+        cfg.resolve_drafts();
+        let d3 = cfg.tiers[1].draft.as_ref().unwrap();
+        assert_eq!(d3.model, Path::new("a/t1.gguf"));
+        assert_eq!((d3.k_init, d3.k_min, d3.k_max), (4, 1, 12));
+        let d2 = cfg.tiers[2].draft.as_ref().unwrap();
+        assert_eq!(d2.model, Path::new("b/d.gguf"));
+        assert_eq!(d2.k_max, 6);
+        assert!(cfg.tiers[0].draft.is_none());
+        cfg.tiers[2].draft.as_mut().unwrap().k_init = 9;
+        assert!(cfg.tiers[2].validate().is_err(), "k_init above k_max");
     }
 
     #[test]

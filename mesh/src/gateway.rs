@@ -634,6 +634,8 @@ struct Collected {
     /// Per-token logit margins.
     margins: Vec<f32>,
     reasoning_capped: bool,
+    /// Draft counts when the tier decoded it speculatively.
+    speculative: Option<SpecInfo>,
 }
 
 async fn collect(mut t: Timed) -> Result<Collected, ApiError> {
@@ -666,6 +668,7 @@ async fn collect(mut t: Timed) -> Result<Collected, ApiError> {
                     events,
                     margins,
                     reasoning_capped: usage.reasoning_capped,
+                    speculative: SpecInfo::of(&usage),
                 });
             }
             TokenEvent::Error(e) => {
@@ -987,6 +990,7 @@ pub(crate) async fn chat_with(
                 reasoning_capped: c.reasoning_capped,
                 cascade: vec![],
                 router: routed,
+                speculative: c.speculative,
             };
             Ok(Json(chat_body(&job.model, &c.text, c.finish, c.usage, &mesh)).into_response())
         }
@@ -1274,6 +1278,7 @@ async fn cascade_chat(
             reasoning_capped: c.reasoning_capped,
             cascade: steps,
             router: routed,
+            speculative: c.speculative,
         };
         Ok(Json(chat_body(&policy.model, &c.text, c.finish, total, &mesh)).into_response())
     }
@@ -1510,7 +1515,7 @@ async fn completions_inner(state: &AppState, body: &[u8]) -> Result<Response, Ap
                 "id": new_id("cmpl"), "object": "text_completion", "created": now_s(), "model": job.model,
                 "choices": [{"index": 0, "text": c.text, "finish_reason": finish_str(c.finish), "logprobs": null}],
                 "usage": c.usage,
-                "mesh": MeshInfo { tier: job.model.clone(), queued_ms: c.queued_ms, reasoning_capped: c.reasoning_capped, cascade: vec![], router: None },
+                "mesh": MeshInfo { tier: job.model.clone(), queued_ms: c.queued_ms, reasoning_capped: c.reasoning_capped, cascade: vec![], router: None, speculative: c.speculative },
             }))
             .into_response());
         }

@@ -70,9 +70,10 @@ mod node_run {
 
     /// Loads the tiers and binds the gateway; serves until `shutdown` completes.
     pub async fn start(
-        cfg: NodeConfig,
+        mut cfg: NodeConfig,
         shutdown: impl Future<Output = ()> + Send + 'static,
     ) -> anyhow::Result<Running> {
+        cfg.resolve_drafts();
         cfg.validate()?;
         let start_policy = mesh_control::policy::Policy {
             cascade: cfg.cascade.clone(),

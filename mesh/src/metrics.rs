@@ -462,6 +462,54 @@ impl Collector for NodeCollector {
             false,
             &degraded,
         )?;
+        // Speculative decoding, for the tiers that have a draft model.
+        let mut spec: Vec<(String, Arc<EngineStats>)> = self
+            .tiers
+            .iter()
+            .filter(|e| e.value().desc.info.draft.is_some())
+            .map(|e| (e.key().clone(), e.value().desc.stats.clone()))
+            .collect();
+        spec.sort_by(|a, b| a.0.cmp(&b.0));
+        type Stat = fn(&EngineStats) -> u64;
+        let spec_counters: [(&str, &str, Stat); 2] = [
+            (
+                "spec_draft_tokens",
+                "Tokens the draft model proposed (speculative decoding)",
+                |s| s.draft_tokens.load(Relaxed),
+            ),
+            (
+                "spec_accepted_tokens",
+                "Drafted tokens the target accepted",
+                |s| s.draft_accepted.load(Relaxed),
+            ),
+        ];
+        for (name, help, get) in spec_counters {
+            let rows: Vec<_> = spec.iter().map(|(n, s)| (m(n), get(s))).collect();
+            family(&mut enc, name, help, true, &rows)?;
+        }
+        let f = &mesh_transport::frame::STATS;
+        let none: [(NoLabels, u64); 1] = [(NoLabels {}, f.refused.load(Relaxed))];
+        family(
+            &mut enc,
+            "transport_frames_refused",
+            "Wire frames refused (malformed, truncated, oversized, wrong version)",
+            true,
+            &none,
+        )?;
+        family(
+            &mut enc,
+            "transport_frames_received",
+            "Wire frames decoded",
+            true,
+            &[(NoLabels {}, f.frames_in.load(Relaxed))],
+        )?;
+        family(
+            &mut enc,
+            "transport_frames_sent",
+            "Wire frames encoded",
+            true,
+            &[(NoLabels {}, f.frames_out.load(Relaxed))],
+        )?;
         let f = &mesh_transport::frame::STATS;
         let none: [(NoLabels, u64); 1] = [(NoLabels {}, f.refused.load(Relaxed))];
         family(

@@ -242,6 +242,28 @@ pub struct MeshInfo {
     /// Requests whose tools were routed: what the router kept.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub router: Option<RouterInfo>,
+    /// Requests decoded speculatively on this node: drafted and accepted tokens.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub speculative: Option<SpecInfo>,
+}
+
+/// Speculative decoding of one response (a draft model proposed, the tier verified).
+#[derive(Debug, Clone, Copy, Serialize, Deserialize, PartialEq, Default)]
+pub struct SpecInfo {
+    /// Tokens the draft model proposed.
+    pub draft_tokens: usize,
+    /// Proposed tokens the tier accepted.
+    pub accepted_tokens: usize,
+}
+
+impl SpecInfo {
+    /// The draft counts of a finished generation; none when nothing was drafted.
+    pub fn of(u: &mesh_tiers::Usage) -> Option<Self> {
+        (u.draft_tokens > 0).then_some(Self {
+            draft_tokens: u.draft_tokens,
+            accepted_tokens: u.draft_accepted,
+        })
+    }
 }
 
 /// What the tool router did to a request.

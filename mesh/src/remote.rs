@@ -396,6 +396,8 @@ fn from_wire(ev: Event) -> TokenEvent {
                 completion_tokens: completion_tokens as usize,
                 reasoning_tokens: reasoning_tokens as usize,
                 reasoning_capped,
+                // Draft counts stay on the serving node (its metrics); the wire omits them.
+                ..Usage::default()
             },
             tail,
         },

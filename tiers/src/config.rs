@@ -51,6 +51,11 @@ pub struct EngineConfig {
     pub kv_unified: bool,
     /// Prefix KV pages: reuse the KV of prompt prefixes seen before.
     pub kv_pages: KvPagesConfig,
+    /// Speculative decoding: a draft model proposes tokens that this engine verifies in one
+    /// batch (greedy requests without a grammar). `draft = "PATH"` is short for
+    /// `[draft] model = "PATH"`; a node config also takes another tier's name.
+    #[serde(deserialize_with = "draft_or_path")]
+    pub draft: Option<DraftConfig>,
     /// Runs on the engine thread before the llama.cpp context exists; the node sets it to
     /// bind the thread to the tier's planned cores. Not part of the file config.
     #[serde(skip)]
@@ -118,6 +123,51 @@ impl Default for KvPagesConfig {
     }
 }
 
+/// The draft model of an engine and its draft-length control (see [`crate::speculative`]).
+///
+/// Costs: the draft model's weights and a second KV cache of the same cells
+/// (`n_ctx`, at the draft's bytes per token: 1.5 KiB for t1 at f16), one draft decode per
+/// drafted token per step, and `k` extra target rows per greedy sequence per step.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(default, deny_unknown_fields)]
+pub struct DraftConfig {
+    /// GGUF of the draft model; its vocabulary must be the engine's.
+    pub model: PathBuf,
+    /// Draft length of a sequence's first round.
+    pub k_init: usize,
+    /// Shortest draft (after rounds that accepted less than half).
+    pub k_min: usize,
+    /// Longest draft (reached by rounds that accept every draft).
+    pub k_max: usize,
+}
+
+impl Default for DraftConfig {
+    fn default() -> Self {
+        Self {
+            model: PathBuf::new(),
+            k_init: 4,
+            k_min: 1,
+            k_max: 12,
+        }
+    }
+}
+
+fn draft_or_path<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Option<DraftConfig>, D::Error> {
+    #[derive(Deserialize)]
+    #[serde(untagged)]
+    enum Form {
+        Path(PathBuf),
+        Table(DraftConfig),
+    }
+    Ok(Option::<Form>::deserialize(d)?.map(|f| match f {
+        Form::Path(model) => DraftConfig {
+            model,
+            ..DraftConfig::default()
+        },
+        Form::Table(t) => t,
+    }))
+}
+
 impl Default for EngineConfig {
     fn default() -> Self {
         Self {
@@ -133,6 +183,7 @@ impl Default for EngineConfig {
             kv_type: KvType::F16,
             kv_unified: false,
             kv_pages: KvPagesConfig::default(),
+            draft: None,
             thread_setup: ThreadSetup::default(),
         }
     }
@@ -164,6 +215,16 @@ impl EngineConfig {
         }
         if self.threads < 1 {
             return bad("threads must be at least 1");
+        }
+        if let Some(d) = &self.draft {
+            if d.k_min == 0 || d.k_min > d.k_init || d.k_init > d.k_max {
+                return bad("draft: need 1 <= k_min <= k_init <= k_max");
+            }
+            // Every greedy sequence may verify k_max drafts plus its own token in one step.
+            let rows = self.n_seq_max as usize * (d.k_max + 1) + self.prefill_chunk as usize;
+            if (self.n_batch as usize) < rows {
+                return bad("with a draft, n_batch must be at least n_seq_max x (draft.k_max + 1) + prefill_chunk");
+            }
         }
         Ok(())
     }

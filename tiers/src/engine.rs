@@ -21,8 +21,11 @@ use tracing::{debug, warn};
 use crate::chat;
 use crate::kvcache::{KvCache, PromptPages, ReuseStats};
 use crate::plan::{self, SlotView, Work};
+use crate::speculative;
 use crate::stop::StopMatcher;
-use crate::{EngineConfig, FinishReason, GenerateRequest, KvType, TierError, TokenEvent, Usage};
+use crate::{
+    DraftConfig, EngineConfig, FinishReason, GenerateRequest, KvType, TierError, TokenEvent, Usage,
+};
 
 /// Prefix-page handles of an engine (metrics, tests).
 #[derive(Debug, Clone)]
@@ -83,6 +86,10 @@ pub struct EngineStats {
     pub reasoning_tokens: AtomicU64,
     /// Think blocks the reasoning governor closed.
     pub reasoning_capped: AtomicU64,
+    /// Tokens the draft model proposed (speculative decoding).
+    pub draft_tokens: AtomicU64,
+    /// Drafted tokens the target accepted.
+    pub draft_accepted: AtomicU64,
 }
 
 /// What a loaded model is.
@@ -102,6 +109,8 @@ pub struct ModelInfo {
     pub n_seq_max: usize,
     /// File size in bytes.
     pub size_bytes: u64,
+    /// GGUF of the draft model, when greedy requests are decoded speculatively.
+    pub draft: Option<String>,
 }
 
 enum Command {
@@ -147,6 +156,10 @@ impl Engine {
                 reason: e.to_string(),
             })?;
         let model = Arc::new(model);
+        let draft = match &cfg.draft {
+            Some(d) => Some(Arc::new(load_draft(&model, d)?)),
+            None => None,
+        };
         let n_ctx_train = model.n_ctx_train();
         let per_seq = if cfg.kv_unified {
             cfg.n_ctx
@@ -165,13 +178,19 @@ impl Engine {
             n_ctx: cfg.n_ctx as usize,
             n_seq_max: cfg.n_seq_max as usize,
             size_bytes: std::fs::metadata(&cfg.model).map(|m| m.len()).unwrap_or(0),
+            draft: cfg.draft.as_ref().map(|d| d.model.display().to_string()),
         };
         let stats = Arc::new(EngineStats::default());
         let (tx, rx) = std_mpsc::channel();
         let (ready_tx, ready_rx) = std_mpsc::channel();
         let thread = {
-            let (model, cfg, stats, info) =
-                (model.clone(), cfg.clone(), stats.clone(), info.clone());
+            let (model, draft_model, cfg, stats, info) = (
+                model.clone(),
+                draft.clone(),
+                cfg.clone(),
+                stats.clone(),
+                info.clone(),
+            );
             std::thread::Builder::new()
                 .name(format!("engine-{}", cfg.name))
                 .spawn(move || {
@@ -183,6 +202,16 @@ impl Engine {
                             return;
                         }
                     };
+                    let draft = match (&draft_model, &cfg.draft) {
+                        (Some(m), Some(d)) => match new_context(m, &cfg) {
+                            Ok(ctx) => Some(Draft::new(ctx, d, &cfg)),
+                            Err(e) => {
+                                let _ = ready_tx.send(Err(e));
+                                return;
+                            }
+                        },
+                        _ => None,
+                    };
                     let kv = start_pages(&model, &mut ctx, &cfg);
                     let handles = kv.as_ref().map(|k| PageHandles {
                         store: k.store().clone(),
@@ -191,7 +220,7 @@ impl Engine {
                         base: k.base(),
                     });
                     let _ = ready_tx.send(Ok(handles));
-                    Loop::new(&model, ctx, &cfg, &info, stats, kv).run(rx);
+                    Loop::new(&model, ctx, &cfg, &info, stats, kv, draft).run(rx);
                 })
                 .map_err(|e| TierError::Context(e.to_string()))?
         };
@@ -316,6 +345,30 @@ impl Drop for Engine {
     }
 }
 
+/// Loads a draft model and checks that it shares the target's vocabulary.
+fn load_draft(target: &LlamaModel, d: &DraftConfig) -> Result<LlamaModel, TierError> {
+    let path = d.model.display().to_string();
+    if !d.model.exists() {
+        return Err(TierError::ModelLoad {
+            path,
+            reason: "draft model file not found".into(),
+        });
+    }
+    let m = LlamaModel::load_from_file(backend(), &d.model, &LlamaModelParams::default())
+        .map_err(|e| TierError::ModelLoad {
+            path: path.clone(),
+            reason: e.to_string(),
+        })?;
+    if m.n_vocab() != target.n_vocab() {
+        return Err(TierError::Config(format!(
+            "draft {path}: vocabulary of {} tokens, the target has {}",
+            m.n_vocab(),
+            target.n_vocab()
+        )));
+    }
+    Ok(m)
+}
+
 fn new_context<'m>(
     model: &'m LlamaModel,
     cfg: &EngineConfig,
@@ -387,6 +440,52 @@ struct Slot {
     thinking: bool,
     reasoning_tokens: usize,
     reasoning_capped: bool,
+    /// Draft state when this sequence is decoded speculatively.
+    spec: Option<SpecSeq>,
+}
+
+/// The draft model's context, on the engine thread next to the target's.
+struct Draft<'m> {
+    ctx: LlamaContext<'m>,
+    batch: LlamaBatch<'static>,
+    cfg: DraftConfig,
+}
+
+impl<'m> Draft<'m> {
+    fn new(ctx: LlamaContext<'m>, cfg: &DraftConfig, engine: &EngineConfig) -> Self {
+        Self {
+            ctx,
+            batch: LlamaBatch::new(engine.n_batch as usize, 1),
+            cfg: cfg.clone(),
+        }
+    }
+}
+
+/// Speculative state of one sequence.
+///
+/// The sequence's tokens are its prompt followed by `out`; the last of them is the
+/// pending token (not yet in the target's KV). The draft's KV holds the first `dpos`.
+struct SpecSeq {
+    out: Vec<i32>,
+    dpos: usize,
+    /// Draft length of the next round (adapts, `speculative::next_k`).
+    k: usize,
+    /// Drafts this step may propose (planned before the step).
+    k_step: usize,
+    /// Drafts proposed this step, verified in the same step.
+    drafts: Vec<i32>,
+    drafted: usize,
+    accepted: usize,
+}
+
+impl SpecSeq {
+    fn token(&self, prompt: &[i32], i: usize) -> i32 {
+        if i < prompt.len() {
+            prompt[i]
+        } else {
+            self.out[i - prompt.len()]
+        }
+    }
 }
 
 struct Loop<'m> {
@@ -406,6 +505,8 @@ struct Loop<'m> {
     pending: std::collections::HashMap<mesh_kvstore::PageId, usize>,
     /// `<think>` and `</think>` when each is one token of this vocabulary.
     think: Option<(LlamaToken, LlamaToken)>,
+    /// The draft model, when greedy sequences are decoded speculatively.
+    draft: Option<Draft<'m>>,
 }
 
 impl<'m> Loop<'m> {
@@ -416,6 +517,7 @@ impl<'m> Loop<'m> {
         info: &ModelInfo,
         stats: Arc<EngineStats>,
         kv: Option<KvCache>,
+        draft: Option<Draft<'m>>,
     ) -> Self {
         Self {
             model,
@@ -432,6 +534,7 @@ impl<'m> Loop<'m> {
             kv,
             pending: std::collections::HashMap::new(),
             think: think_tokens(model),
+            draft,
         }
     }
 
@@ -535,6 +638,21 @@ impl<'m> Loop<'m> {
             for id in pages.pending() {
                 *self.pending.entry(*id).or_default() += 1;
             }
+            // Greedy requests without a grammar are decoded speculatively: verification
+            // then reproduces exactly the tokens plain decoding would choose.
+            let spec = self
+                .draft
+                .as_ref()
+                .filter(|_| p.req.sampling.temperature <= 0.0 && p.req.grammar.is_none())
+                .map(|d| SpecSeq {
+                    out: Vec::new(),
+                    dpos: 0,
+                    k: d.cfg.k_init,
+                    k_step: 0,
+                    drafts: Vec::new(),
+                    drafted: 0,
+                    accepted: 0,
+                });
             self.slots[seq] = Some(Slot {
                 pages,
                 req: p.req,
@@ -550,6 +668,7 @@ impl<'m> Loop<'m> {
                 thinking: false,
                 reasoning_tokens: 0,
                 reasoning_capped: false,
+                spec,
             });
             self.next_age += 1;
         }
@@ -614,6 +733,9 @@ impl<'m> Loop<'m> {
         self.unpend(&s);
         s.pages.clear_pending();
         let _ = self.ctx.clear_kv_cache_seq(Some(i as u32), None, None);
+        if let Some(d) = &mut self.draft {
+            let _ = d.ctx.clear_kv_cache_seq(Some(i as u32), None, None);
+        }
         self.reserved -= s.reserve;
         self.stats
             .reserved_cells
@@ -637,14 +759,17 @@ impl<'m> Loop<'m> {
                 })
             })
             .collect();
+        // The drafts of speculative sequences take target rows before any prompt chunk.
+        let draft_rows = self.plan_drafts();
         let work = plan::plan_step(
             &views,
-            self.cfg.n_batch as usize,
+            (self.cfg.n_batch as usize).saturating_sub(draft_rows),
             self.cfg.prefill_chunk as usize,
         );
         if work.is_empty() {
             return;
         }
+        self.draft(&work);
         self.batch.clear();
         let mut rows: Vec<(usize, i32)> = Vec::new();
         let mut prompt_done: Vec<usize> = Vec::new();
@@ -659,6 +784,13 @@ impl<'m> Loop<'m> {
                     self.batch
                         .add(tok, pos, &[slot as i32], true)
                         .expect("batch sized for plan");
+                    // Drafts follow the pending token, each with logits, so one decode
+                    // scores all of them.
+                    for (j, &d) in s.spec.iter().flat_map(|sp| &sp.drafts).enumerate() {
+                        self.batch
+                            .add(LlamaToken(d), pos + 1 + j as i32, &[slot as i32], true)
+                            .expect("batch sized for plan and drafts");
+                    }
                     rows.push((slot, row));
                 }
                 Work::Prefill {
@@ -726,13 +858,184 @@ impl<'m> Loop<'m> {
             }
         }
         for (slot, row) in rows {
-            self.sample(slot, row);
+            let drafts = self.slots[slot]
+                .as_mut()
+                .and_then(|s| s.spec.as_mut())
+                .map(|sp| std::mem::take(&mut sp.drafts))
+                .unwrap_or_default();
+            if drafts.is_empty() {
+                let (tok, margin) = self.choose(slot, row);
+                self.emit(slot, tok, margin);
+            } else {
+                self.verify(slot, row, &drafts);
+            }
         }
     }
 
-    fn sample(&mut self, slot: usize, row: i32) {
+    /// Sets each decoding speculative sequence's draft length for this step; returns the
+    /// target rows they add.
+    fn plan_drafts(&mut self) -> usize {
+        let max_seq_len = self.max_seq_len;
+        let mut rows = 0;
+        for s in self.slots.iter_mut().flatten() {
+            let Some(sp) = &mut s.spec else { continue };
+            sp.k_step = 0;
+            if s.pending.is_some() {
+                let n = s.req.prompt.len() + s.generated;
+                sp.k_step = speculative::draft_len(
+                    sp.k,
+                    s.req.max_tokens.saturating_sub(s.generated),
+                    max_seq_len.saturating_sub(n),
+                );
+                rows += sp.k_step;
+            }
+        }
+        rows
+    }
+
+    /// Draft phase of a step. The first draft decode feeds every speculative sequence the
+    /// tokens its draft KV lacks (prompt chunks alongside the target's, up to
+    /// `prefill_chunk` per sequence, then the tokens accepted since its last round);
+    /// a decoding sequence that is caught up then proposes `k_step` tokens greedily, one
+    /// draft decode per token with all drafting sequences in each.
+    fn draft(&mut self, work: &[Work]) {
+        let Some(d) = self.draft.as_mut() else {
+            return;
+        };
+        let cap = self.cfg.n_batch as usize;
+        let chunk = self.cfg.prefill_chunk as usize;
+        d.batch.clear();
+        let mut rows: Vec<(usize, i32)> = Vec::new();
+        for w in work {
+            let (slot, decoding) = match *w {
+                Work::Decode { slot } => (slot, true),
+                Work::Prefill { slot, .. } => (slot, false),
+            };
+            let Some(s) = self.slots[slot].as_mut() else {
+                continue;
+            };
+            let Some(sp) = s.spec.as_mut() else {
+                continue;
+            };
+            // Tokens the target holds after this step (a decoding sequence: with its pending one).
+            let goal = match *w {
+                Work::Prefill { start, len, .. } => start + len,
+                Work::Decode { .. } => s.req.prompt.len() + s.generated,
+            };
+            let from = sp.dpos;
+            let to = goal.min(from + chunk);
+            if from >= to || d.batch.n_tokens() as usize + (to - from) > cap {
+                continue;
+            }
+            let drafting = decoding && sp.k_step > 0 && to == goal;
+            for i in from..to {
+                let logits = drafting && i + 1 == to;
+                d.batch
+                    .add(
+                        LlamaToken(sp.token(&s.req.prompt, i)),
+                        i as i32,
+                        &[slot as i32],
+                        logits,
+                    )
+                    .expect("checked against the batch capacity");
+            }
+            sp.dpos = to;
+            if drafting {
+                rows.push((slot, d.batch.n_tokens() - 1));
+            }
+        }
+        if d.batch.n_tokens() == 0 {
+            return;
+        }
+        loop {
+            if let Err(e) = d.ctx.decode(&mut d.batch) {
+                warn!(error = %e, "draft decode failed; sequences decode without drafts until their draft KV is rebuilt");
+                for (i, s) in self.slots.iter_mut().enumerate() {
+                    if let Some(sp) = s.as_mut().and_then(|s| s.spec.as_mut()) {
+                        sp.drafts.clear();
+                        sp.dpos = 0;
+                        let _ = d.ctx.clear_kv_cache_seq(Some(i as u32), None, None);
+                    }
+                }
+                return;
+            }
+            d.batch.clear();
+            let mut next = Vec::new();
+            for (slot, row) in rows {
+                let sp = self.slots[slot]
+                    .as_mut()
+                    .and_then(|s| s.spec.as_mut())
+                    .expect("drafting slot is speculative");
+                let t = speculative::argmax(d.ctx.get_logits_ith(row));
+                sp.drafts.push(t);
+                if sp.drafts.len() < sp.k_step {
+                    d.batch
+                        .add(LlamaToken(t), sp.dpos as i32, &[slot as i32], true)
+                        .expect("one row per drafting sequence");
+                    sp.dpos += 1;
+                    next.push((slot, d.batch.n_tokens() - 1));
+                }
+            }
+            if next.is_empty() {
+                return;
+            }
+            rows = next;
+        }
+    }
+
+    /// Verifies a speculative sequence's drafts. Rows `row..=row + drafts.len()` hold the
+    /// target's logits after its pending token and after each draft; tokens are chosen
+    /// row by row exactly as in plain decoding and emitted while they equal the drafts.
+    /// The first that differs, or the one after the last draft, ends the round (so a round
+    /// emits 1..=k+1 tokens, fewer when the sequence finishes inside it). KV cells past
+    /// the accepted tokens are then removed from both contexts.
+    fn verify(&mut self, slot: usize, row: i32, drafts: &[i32]) {
+        let n = {
+            let s = self.slots[slot].as_mut().expect("verified slot exists");
+            s.spec.as_mut().expect("speculative slot").drafted += drafts.len();
+            s.req.prompt.len() + s.generated
+        };
+        self.stats
+            .draft_tokens
+            .fetch_add(drafts.len() as u64, Ordering::Relaxed);
+        let mut accepted = 0;
+        for j in 0..=drafts.len() {
+            let (tok, margin) = self.choose(slot, row + j as i32);
+            let hit = drafts.get(j) == Some(&tok.0);
+            if hit {
+                accepted += 1;
+                self.stats.draft_accepted.fetch_add(1, Ordering::Relaxed);
+                if let Some(sp) = self.slots[slot].as_mut().and_then(|s| s.spec.as_mut()) {
+                    sp.accepted += 1;
+                }
+            }
+            let finished = self.emit(slot, tok, margin);
+            if finished || !hit {
+                break;
+            }
+        }
+        // A finished sequence was freed, cells and all.
+        let Some(sp) = self.slots[slot].as_mut().and_then(|s| s.spec.as_mut()) else {
+            return;
+        };
+        let d = self.draft.as_mut().expect("speculative slots imply a draft");
+        sp.k = speculative::next_k(sp.k, drafts.len(), accepted, d.cfg.k_min, d.cfg.k_max);
+        // The target holds the pending token and the accepted drafts; the new pending
+        // token is the next position.
+        let keep = n + accepted;
+        let _ = self
+            .ctx
+            .clear_kv_cache_seq(Some(slot as u32), Some(keep as u32), None);
+        sp.dpos = sp.dpos.min(keep);
+        let _ = d
+            .ctx
+            .clear_kv_cache_seq(Some(slot as u32), Some(sp.dpos as u32), None);
+    }
+
+    /// The token plain decoding would choose from logits row `row`: the request's sampler
+    /// chain, or `</think>` when the reasoning budget is spent. Returns it with its margin.
+    fn choose(&mut self, slot: usize, row: i32) -> (LlamaToken, f32) {
         let margin = top2_margin(self.ctx.get_logits_ith(row));
-        let model = self.model;
         let s = self.slots[slot].as_mut().expect("sampled slot exists");
         let tok = match self.think {
             // Reasoning governor: the budget is spent, so close the think block in place
@@ -750,6 +1053,18 @@ impl<'m> Loop<'m> {
             }
             _ => s.sampler.sample(&self.ctx, row),
         };
+        (tok, margin)
+    }
+
+    /// Appends a chosen token to its sequence: reasoning state, text, stop strings, the
+    /// event, and the end of the sequence. Returns whether the sequence finished (its slot
+    /// is then free).
+    fn emit(&mut self, slot: usize, tok: LlamaToken, margin: f32) -> bool {
+        let model = self.model;
+        let s = self.slots[slot].as_mut().expect("emitting slot exists");
+        if let Some(sp) = &mut s.spec {
+            sp.out.push(tok.0);
+        }
         if let Some((open, close)) = self.think {
             if tok == open {
                 s.thinking = true;
@@ -804,6 +1119,8 @@ impl<'m> Loop<'m> {
                     completion_tokens: s.generated,
                     reasoning_tokens: s.reasoning_tokens,
                     reasoning_capped: s.reasoning_capped,
+                    draft_tokens: s.spec.as_ref().map_or(0, |sp| sp.drafted),
+                    draft_accepted: s.spec.as_ref().map_or(0, |sp| sp.accepted),
                 };
                 // Free before reporting, so a caller that sees Done also sees the slot free.
                 let s = self.free(slot).expect("slot exists");
@@ -812,8 +1129,12 @@ impl<'m> Loop<'m> {
                     usage,
                     tail,
                 });
+                true
             }
-            None => s.pending = Some(tok),
+            None => {
+                s.pending = Some(tok);
+                false
+            }
         }
     }
 }

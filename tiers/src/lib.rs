@@ -40,7 +40,7 @@ mod request;
 pub mod speculative;
 pub mod stop;
 
-pub use config::{EngineConfig, KvPagesConfig, KvType, ThreadSetup};
+pub use config::{DraftConfig, EngineConfig, KvPagesConfig, KvType, ThreadSetup};
 pub use engine::{backend, Engine, EngineStats, ModelInfo, PageHandles};
 pub use error::TierError;
 pub use request::{FinishReason, GenerateRequest, SamplingParams, TokenEvent, Usage};

@@ -78,6 +78,12 @@ pub struct Usage {
     /// True when the reasoning governor closed the think block.
     #[serde(default)]
     pub reasoning_capped: bool,
+    /// Tokens the draft model proposed for this request (speculative decoding).
+    #[serde(default)]
+    pub draft_tokens: usize,
+    /// Drafted tokens the target accepted (each saved one target decode).
+    #[serde(default)]
+    pub draft_accepted: usize,
 }
 
 /// What the engine streams back for one request.

@@ -15,7 +15,11 @@
 //! Greedy acceptance means the output is the target model's greedy output, token
 //! for token; only the number of target decodes changes. `k` adapts per sequence:
 //! one longer after a fully accepted round, shorter after a round that accepted
-//! less than half.
+//! less than half ([`next_k`]).
+//!
+//! [`Speculative`] is the stand-alone form (its own two contexts, used by the
+//! evaluation). The serving engine runs the same rounds inside its continuous-batching
+//! loop when its config has a draft ([`crate::DraftConfig`]); see `engine.rs`.
 
 use std::num::NonZeroU32;
 
@@ -122,7 +126,29 @@ fn context<'m>(model: &'m LlamaModel, cfg: &SpecConfig) -> Result<LlamaContext<'
         .map_err(|e| TierError::Context(e.to_string()))
 }
 
-fn argmax(logits: &[f32]) -> i32 {
+/// Draft length of a sequence's next round after a round that drafted `drafted` tokens and
+/// had `accepted` of them accepted: one longer after a fully accepted round, one shorter
+/// after a round that accepted less than half, kept within `k_min..=k_max`.
+pub fn next_k(k: usize, drafted: usize, accepted: usize, k_min: usize, k_max: usize) -> usize {
+    if drafted == 0 {
+        k
+    } else if accepted == drafted {
+        (k + 1).min(k_max)
+    } else if 2 * accepted < drafted {
+        k.saturating_sub(1).max(k_min)
+    } else {
+        k
+    }
+}
+
+/// Most tokens a sequence may draft this round: its current `k`, leaving room for the
+/// target's own token within the completion budget (`room` tokens left) and the drafts'
+/// KV positions within the sequence limit (`cells` positions left after the pending token).
+pub fn draft_len(k: usize, room: usize, cells: usize) -> usize {
+    k.min(room.saturating_sub(1)).min(cells)
+}
+
+pub(crate) fn argmax(logits: &[f32]) -> i32 {
     let mut best = 0;
     for (i, &x) in logits.iter().enumerate() {
         if x > logits[best] {
@@ -372,13 +398,7 @@ impl<'m> Speculative<'m> {
             };
             s.pos = kept;
             s.last = next;
-            s.k = if accepted == k {
-                (s.k + 1).min(self.cfg.k_max)
-            } else if 2 * accepted < k {
-                s.k.saturating_sub(1).max(self.cfg.k_min)
-            } else {
-                s.k
-            };
+            s.k = next_k(s.k, k, accepted, self.cfg.k_min, self.cfg.k_max);
             self.finish_if_done(s);
         }
         Ok(())
@@ -440,5 +460,29 @@ pub fn greedy_timed(
         pos += 1;
         ctx.decode(&mut batch)
             .map_err(|e| TierError::Decode(e.to_string()))?;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn k_grows_after_full_acceptance_and_shrinks_after_poor_rounds() {
+        assert_eq!(next_k(4, 4, 4, 1, 12), 5);
+        assert_eq!(next_k(12, 12, 12, 1, 12), 12);
+        assert_eq!(next_k(4, 4, 2, 1, 12), 4);
+        assert_eq!(next_k(4, 4, 1, 1, 12), 3);
+        assert_eq!(next_k(1, 1, 0, 1, 12), 1);
+        assert_eq!(next_k(4, 0, 0, 1, 12), 4, "a round without drafts changes nothing");
+    }
+
+    #[test]
+    fn drafts_stay_within_budget_and_cells() {
+        assert_eq!(draft_len(4, 100, 100), 4);
+        assert_eq!(draft_len(4, 3, 100), 2, "the target's own token needs one of the 3");
+        assert_eq!(draft_len(4, 1, 100), 0);
+        assert_eq!(draft_len(4, 0, 100), 0);
+        assert_eq!(draft_len(4, 100, 2), 2);
     }
 }

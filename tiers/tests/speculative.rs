@@ -1,13 +1,21 @@
 //! Speculative decoding (t1 drafts for t3) gives exactly t3's greedy tokens on
 //! held-out prompts, one sequence at a time and several in one batch, and the
-//! draft is actually used (some drafted tokens are accepted).
+//! draft is actually used (some drafted tokens are accepted): in the stand-alone
+//! [`Speculative`] and in the serving engine with a draft model, where stop strings,
+//! `max_tokens`, cancellation and sampled requests in the same loop still behave as
+//! on the target alone.
 
 use std::path::PathBuf;
 
 use llama_cpp_2::model::params::LlamaModelParams;
 use llama_cpp_2::model::LlamaModel;
-use mesh_tiers::backend;
+use std::time::Duration;
+
 use mesh_tiers::speculative::{greedy, SpecConfig, Speculative};
+use mesh_tiers::{
+    backend, DraftConfig, Engine, EngineConfig, FinishReason, GenerateRequest, SamplingParams,
+    TokenEvent, Usage,
+};
 use serde::Deserialize;
 
 fn models_dir() -> PathBuf {
@@ -102,4 +110,165 @@ fn mismatched_limits_are_refused() {
     assert!(spec.generate(&[long], 8).is_err());
     let nine: Vec<Vec<i32>> = (0..9).map(|_| vec![1, 2, 3]).collect();
     assert!(spec.generate(&nine, 8).is_err());
+}
+
+fn engine(draft: bool) -> Engine {
+    Engine::start(EngineConfig {
+        name: "t3".into(),
+        model: models_dir().join("t3-q8_0.gguf"),
+        n_ctx: 4 * 2048,
+        n_seq_max: 4,
+        n_batch: 512,
+        prefill_chunk: 256,
+        threads: 2,
+        draft: draft.then(|| DraftConfig {
+            model: models_dir().join("t1-q8_0.gguf"),
+            ..DraftConfig::default()
+        }),
+        ..EngineConfig::default()
+    })
+    .expect("engine starts")
+}
+
+/// `n` held-out task prompts (`eval-heldout.jsonl`), spread over the file.
+fn heldout(e: &Engine, n: usize) -> Vec<Vec<i32>> {
+    let tasks = mesh_tiers::eval::load_tasks(&models_dir().join("fixtures/eval-heldout.jsonl"))
+        .expect("held-out tasks");
+    let step = (tasks.len() / n).max(1);
+    tasks
+        .iter()
+        .step_by(step)
+        .take(n)
+        .map(|t| e.tokenize(&t.prompt))
+        .collect()
+}
+
+#[derive(Debug, Default)]
+struct Out {
+    tokens: Vec<i32>,
+    text: String,
+    finish: Option<FinishReason>,
+    usage: Usage,
+}
+
+async fn run(mut rx: tokio::sync::mpsc::UnboundedReceiver<TokenEvent>) -> Out {
+    let mut o = Out::default();
+    while let Some(ev) = tokio::time::timeout(Duration::from_secs(300), rx.recv())
+        .await
+        .expect("no stall")
+    {
+        match ev {
+            TokenEvent::Started { .. } => {}
+            TokenEvent::Token { id, text, .. } => {
+                o.tokens.push(id);
+                o.text.push_str(&text);
+            }
+            TokenEvent::Done {
+                finish,
+                usage,
+                tail,
+            } => {
+                o.text.push_str(&tail);
+                o.finish = Some(finish);
+                o.usage = usage;
+                break;
+            }
+            TokenEvent::Error(e) => panic!("generation failed: {e}"),
+        }
+    }
+    o
+}
+
+fn greedy_req(prompt: &[i32], max_tokens: usize) -> GenerateRequest {
+    GenerateRequest {
+        prompt: prompt.to_vec(),
+        max_tokens,
+        ..Default::default()
+    }
+}
+
+/// Submits every request at once (the engine runs 4, queues the rest) and waits for all.
+async fn all(e: &Engine, reqs: Vec<GenerateRequest>) -> Vec<Out> {
+    let rxs: Vec<_> = reqs.into_iter().map(|r| e.submit(r).unwrap()).collect();
+    futures::future::join_all(rxs.into_iter().map(run)).await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn serving_engine_with_a_draft_gives_the_targets_tokens() {
+    let plain = engine(false);
+    let spec = engine(true);
+    let prompts = heldout(&plain, 8);
+    let sampled = GenerateRequest {
+        sampling: SamplingParams {
+            temperature: 0.8,
+            top_k: 40,
+            seed: 7,
+            ..SamplingParams::default()
+        },
+        ..greedy_req(&prompts[0], MAX_TOKENS)
+    };
+    let mut reqs: Vec<GenerateRequest> = prompts.iter().map(|p| greedy_req(p, MAX_TOKENS)).collect();
+    reqs.push(sampled);
+
+    // 8 greedy sequences and one sampled one, 4 at a time, on each engine.
+    let want = all(&plain, reqs.clone()).await;
+    let got = all(&spec, reqs).await;
+    let (mut drafted, mut accepted) = (0, 0);
+    for (i, (w, g)) in want.iter().zip(&got).enumerate() {
+        assert_eq!(g.tokens, w.tokens, "request {i}: tokens differ from t3 alone");
+        assert_eq!(g.text, w.text, "request {i}: text differs");
+        assert_eq!(g.finish, w.finish, "request {i}: finish differs");
+        assert_eq!(w.usage.draft_tokens, 0, "no draft, no drafted tokens");
+        drafted += g.usage.draft_tokens;
+        accepted += g.usage.draft_accepted;
+    }
+    let sampled_usage = got.last().unwrap().usage;
+    assert_eq!(
+        sampled_usage.draft_tokens, 0,
+        "a sampled request decodes without drafts"
+    );
+    assert!(got[..8].iter().all(|o| o.usage.draft_tokens > 0), "every greedy request drafted");
+    assert!(
+        accepted * 2 > drafted,
+        "t1 drafts should mostly be accepted: {accepted}/{drafted}"
+    );
+    let stats = spec.stats();
+    assert_eq!(
+        stats.draft_tokens.load(std::sync::atomic::Ordering::Relaxed) as usize,
+        drafted
+    );
+    assert_eq!(
+        stats.draft_accepted.load(std::sync::atomic::Ordering::Relaxed) as usize,
+        accepted
+    );
+    // Fewer target decodes than tokens: the point of drafting.
+    let steps = |e: &Engine| e.stats().steps.load(std::sync::atomic::Ordering::Relaxed);
+    assert!(steps(&spec) < steps(&plain), "drafting saves target decodes");
+
+    // max_tokens and stop strings end a sequence inside a round, with the target's prefix.
+    let long = &want[1];
+    let short = run(spec.submit(greedy_req(&prompts[1], 5)).unwrap()).await;
+    assert_eq!(short.tokens, long.tokens[..5]);
+    assert_eq!(short.finish, Some(FinishReason::Length));
+    let cut = long.text.char_indices().nth(long.text.chars().count() / 2).unwrap().0;
+    let stop: String = long.text[cut..].chars().take(3).collect();
+    let head = &long.text[..long.text.find(&stop).unwrap()];
+    let mut stopped_req = greedy_req(&prompts[1], MAX_TOKENS);
+    stopped_req.stop = vec![stop.clone()];
+    let stopped = run(spec.submit(stopped_req.clone()).unwrap()).await;
+    let stopped_plain = run(plain.submit(stopped_req).unwrap()).await;
+    assert_eq!(stopped.finish, Some(FinishReason::Stop));
+    assert_eq!(stopped.text, head, "stop string {stop:?}");
+    assert_eq!(stopped.tokens, stopped_plain.tokens);
+
+    // A cancelled sequence frees its slot; the next requests still match the target.
+    let mut rx = spec.submit(greedy_req(&prompts[2], MAX_TOKENS)).unwrap();
+    while !matches!(rx.recv().await, Some(TokenEvent::Token { .. })) {}
+    drop(rx);
+    let again = all(&spec, prompts[..4].iter().map(|p| greedy_req(p, MAX_TOKENS)).collect()).await;
+    for (i, (w, g)) in want.iter().zip(&again).enumerate() {
+        assert_eq!(g.tokens, w.tokens, "request {i} after a cancellation");
+    }
+    assert_eq!(stats.active.load(std::sync::atomic::Ordering::Relaxed), 0);
+    assert!(stats.cancelled.load(std::sync::atomic::Ordering::Relaxed) >= 1);
 }

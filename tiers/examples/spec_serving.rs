@@ -1,0 +1,251 @@
+//! Decode speed of the serving engine with and without a draft model: t3 alone vs t1
+//! drafting for t3, 1 and 4 concurrent greedy sequences, on held-out task prompts.
+//!
+//! ```sh
+//! cargo build --release --workspace --examples
+//! target/release/examples/spec_serving --prompts 16 --max-tokens 96
+//! ```
+//!
+//! Both engines live in one process and run the same prompts one after the other
+//! (t3 alone, then t3 with the draft, for each concurrency), so machine load hits both.
+//! Figures: per-sequence decode rate (tokens after the first over the time from the first
+//! token to the last, summed over sequences), wall-clock rate (all generated tokens over
+//! the run, prefill included), how many outputs equal t3 alone token for token, and the
+//! CPU other processes used meanwhile (from /proc/stat minus this process).
+//! A measurement, not a test: timings depend on the machine and its load.
+
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+
+use mesh_tiers::{DraftConfig, Engine, EngineConfig, GenerateRequest, KvPagesConfig, TokenEvent};
+
+struct Args {
+    prompts: usize,
+    max_tokens: usize,
+    threads: i32,
+    models: PathBuf,
+}
+
+fn args() -> Args {
+    let mut a = Args {
+        prompts: 16,
+        max_tokens: 96,
+        threads: 2,
+        models: PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/../models")),
+    };
+    let mut it = std::env::args().skip(1);
+    while let Some(k) = it.next() {
+        let v = it.next().unwrap_or_else(|| panic!("{k} needs a value"));
+        match k.as_str() {
+            "--prompts" => a.prompts = v.parse().expect("--prompts N"),
+            "--max-tokens" => a.max_tokens = v.parse().expect("--max-tokens N"),
+            "--threads" => a.threads = v.parse().expect("--threads N"),
+            "--models" => a.models = v.into(),
+            _ => panic!("unknown argument {k} (--prompts, --max-tokens, --threads, --models)"),
+        }
+    }
+    a
+}
+
+fn engine(a: &Args, draft: bool) -> Engine {
+    Engine::start(EngineConfig {
+        name: if draft { "t3+t1" } else { "t3" }.into(),
+        model: a.models.join("t3-q8_0.gguf"),
+        n_ctx: 4 * 2048,
+        n_seq_max: 4,
+        n_batch: 512,
+        prefill_chunk: 256,
+        threads: a.threads,
+        // No prefix pages: every run prefills its prompts, as the first run does.
+        kv_pages: KvPagesConfig {
+            block: 0,
+            ..KvPagesConfig::default()
+        },
+        draft: draft.then(|| DraftConfig {
+            model: a.models.join("t1-q8_0.gguf"),
+            ..DraftConfig::default()
+        }),
+        ..EngineConfig::default()
+    })
+    .expect("engine starts")
+}
+
+/// Busy and total jiffies of the machine, and this process's jiffies.
+fn cpu() -> (u64, u64, u64) {
+    let stat = std::fs::read_to_string("/proc/stat").unwrap_or_default();
+    let f: Vec<u64> = stat
+        .lines()
+        .next()
+        .unwrap_or("")
+        .split_whitespace()
+        .skip(1)
+        .filter_map(|x| x.parse().ok())
+        .collect();
+    let total: u64 = f.iter().sum();
+    let idle = f.get(3).copied().unwrap_or(0) + f.get(4).copied().unwrap_or(0);
+    let me = std::fs::read_to_string("/proc/self/stat").unwrap_or_default();
+    // Fields after the command name: utime and stime are the 12th and 13th.
+    let rest: Vec<u64> = me
+        .rsplit_once(')')
+        .map(|(_, r)| r)
+        .unwrap_or("")
+        .split_whitespace()
+        .filter_map(|x| x.parse().ok())
+        .collect();
+    let mine = rest.get(10).copied().unwrap_or(0) + rest.get(11).copied().unwrap_or(0);
+    (total - idle, total, mine)
+}
+
+struct Run {
+    tokens: Vec<Vec<i32>>,
+    decode_tokens: usize,
+    decode_s: f64,
+    generated: usize,
+    wall_s: f64,
+    drafted: usize,
+    accepted: usize,
+    /// Cores' worth of CPU other processes used during the run.
+    others: f64,
+}
+
+async fn one(
+    e: &Engine,
+    prompt: &[i32],
+    max_tokens: usize,
+) -> (Vec<i32>, Option<Duration>, usize, usize) {
+    let mut rx = e
+        .submit(GenerateRequest {
+            prompt: prompt.to_vec(),
+            max_tokens,
+            ..Default::default()
+        })
+        .expect("submitted");
+    let (mut toks, mut first, mut last) = (Vec::new(), None, None);
+    while let Some(ev) = rx.recv().await {
+        match ev {
+            TokenEvent::Started { .. } => {}
+            TokenEvent::Token { id, .. } => {
+                toks.push(id);
+                let now = Instant::now();
+                first.get_or_insert(now);
+                last = Some(now);
+            }
+            TokenEvent::Done { usage, .. } => {
+                let span = first.zip(last).map(|(f, l)| l - f);
+                return (toks, span, usage.draft_tokens, usage.draft_accepted);
+            }
+            TokenEvent::Error(err) => panic!("generation failed: {err}"),
+        }
+    }
+    panic!("engine stopped")
+}
+
+/// Runs the prompts in waves of `conc` concurrent sequences.
+async fn run(e: &Engine, prompts: &[Vec<i32>], conc: usize, max_tokens: usize) -> Run {
+    let (busy0, total0, mine0) = cpu();
+    let t0 = Instant::now();
+    let mut r = Run {
+        tokens: vec![],
+        decode_tokens: 0,
+        decode_s: 0.0,
+        generated: 0,
+        wall_s: 0.0,
+        drafted: 0,
+        accepted: 0,
+        others: 0.0,
+    };
+    for wave in prompts.chunks(conc) {
+        let outs =
+            futures::future::join_all(wave.iter().map(|p| one(e, p, max_tokens))).await;
+        for (toks, span, drafted, accepted) in outs {
+            r.generated += toks.len();
+            r.decode_tokens += toks.len().saturating_sub(1);
+            r.decode_s += span.map_or(0.0, |d| d.as_secs_f64());
+            r.drafted += drafted;
+            r.accepted += accepted;
+            r.tokens.push(toks);
+        }
+    }
+    r.wall_s = t0.elapsed().as_secs_f64();
+    let (busy1, total1, mine1) = cpu();
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get()) as f64;
+    let others = (busy1 - busy0).saturating_sub(mine1 - mine0) as f64;
+    r.others = cores * others / (total1 - total0).max(1) as f64;
+    r
+}
+
+fn loadavg() -> String {
+    std::fs::read_to_string("/proc/loadavg")
+        .unwrap_or_default()
+        .split_whitespace()
+        .take(3)
+        .collect::<Vec<_>>()
+        .join(" ")
+}
+
+#[tokio::main(flavor = "multi_thread", worker_threads = 2)]
+async fn main() {
+    let a = args();
+    let tasks = mesh_tiers::eval::load_tasks(&a.models.join("fixtures/eval-heldout.jsonl"))
+        .unwrap_or_else(|e| panic!("{e}"));
+    let plain = engine(&a, false);
+    let spec = engine(&a, true);
+    let step = (tasks.len() / a.prompts).max(1);
+    let prompts: Vec<Vec<i32>> = tasks
+        .iter()
+        .step_by(step)
+        .take(a.prompts)
+        .map(|t| plain.tokenize(&t.prompt))
+        .collect();
+    println!(
+        "{} held-out prompts, at most {} new tokens, {} llama.cpp threads, loadavg at start {}",
+        prompts.len(),
+        a.max_tokens,
+        a.threads,
+        loadavg()
+    );
+    println!();
+    println!("| concurrent | engine | decode tok/s per sequence | wall tok/s (incl. prefill) | identical outputs | drafts accepted | other processes' CPU (cores) |");
+    println!("|---:|---|---:|---:|---:|---:|---:|");
+    for conc in [1, 4] {
+        let base = run(&plain, &prompts, conc, a.max_tokens).await;
+        let with = run(&spec, &prompts, conc, a.max_tokens).await;
+        let same = base
+            .tokens
+            .iter()
+            .zip(&with.tokens)
+            .filter(|(x, y)| x == y)
+            .count();
+        for (name, r) in [("t3 alone", &base), ("t1 drafts, t3 verifies", &with)] {
+            let rate = r.decode_tokens as f64 / r.decode_s.max(1e-9);
+            let drafts = if r.drafted > 0 {
+                format!(
+                    "{} / {} ({:.0}%)",
+                    r.accepted,
+                    r.drafted,
+                    100.0 * r.accepted as f64 / r.drafted as f64
+                )
+            } else {
+                String::new()
+            };
+            let ident = if r.drafted > 0 {
+                format!("{same} / {}", prompts.len())
+            } else {
+                String::new()
+            };
+            println!(
+                "| {conc} | {name} | {rate:.1} | {:.1} | {ident} | {drafts} | {:.2} |",
+                r.generated as f64 / r.wall_s,
+                r.others
+            );
+        }
+        let speed = |r: &Run| r.decode_tokens as f64 / r.decode_s.max(1e-9);
+        println!(
+            "| {conc} | speed-up | {:.2}x | {:.2}x | | | |",
+            speed(&with) / speed(&base),
+            (with.generated as f64 / with.wall_s) / (base.generated as f64 / base.wall_s)
+        );
+    }
+    println!();
+    println!("loadavg at end {}", loadavg());
+}
