@@ -510,29 +510,6 @@ impl Collector for NodeCollector {
             true,
             &[(NoLabels {}, f.frames_out.load(Relaxed))],
         )?;
-        let f = &mesh_transport::frame::STATS;
-        let none: [(NoLabels, u64); 1] = [(NoLabels {}, f.refused.load(Relaxed))];
-        family(
-            &mut enc,
-            "transport_frames_refused",
-            "Wire frames refused (malformed, truncated, oversized, wrong version)",
-            true,
-            &none,
-        )?;
-        family(
-            &mut enc,
-            "transport_frames_received",
-            "Wire frames decoded",
-            true,
-            &[(NoLabels {}, f.frames_in.load(Relaxed))],
-        )?;
-        family(
-            &mut enc,
-            "transport_frames_sent",
-            "Wire frames encoded",
-            true,
-            &[(NoLabels {}, f.frames_out.load(Relaxed))],
-        )?;
         Ok(())
     }
 }
