@@ -36,6 +36,7 @@ APT_PACKAGES=(
     curl
     ca-certificates
     unzip
+    fonts-dejavu-core  # the font mesh-bench report draws plot text with
 )
 
 is_installed() {

@@ -18,9 +18,12 @@ mod fabric;
 mod gguf;
 mod machine;
 mod mooncake;
+mod page;
 mod prefix;
 mod report;
 mod server;
+mod sessions;
+mod sidebyside;
 mod stats;
 mod transport;
 mod workload;
@@ -50,6 +53,11 @@ enum Command {
     Fabric(fabric::FabricArgs),
     /// Replay of a Mooncake-format trace (scaled), mesh vs llama-server.
     Mooncake(mooncake::MooncakeArgs),
+    /// Multi-turn agent sessions, each turn sending the whole conversation so far: TTFT per
+    /// turn, total time and prompt reuse, mesh (KV pages) vs llama-server (prompt cache).
+    Sessions(sessions::SessionsArgs),
+    /// The results page (docs/benchmarks.md) with PNG plots, from decode and sessions JSONs.
+    Report(page::ReportArgs),
 }
 
 #[tokio::main(flavor = "current_thread")]
@@ -61,5 +69,7 @@ async fn main() -> anyhow::Result<()> {
         Command::Prefix(args) => prefix::run(args).await,
         Command::Fabric(args) => fabric::run(args).await,
         Command::Mooncake(args) => mooncake::run(args).await,
+        Command::Sessions(args) => sessions::run(args).await,
+        Command::Report(args) => page::run(args),
     }
 }

@@ -19,9 +19,10 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
 use futures::StreamExt;
+use indicatif::ProgressBar;
 use serde_json::{json, Value};
 
-use crate::server::{free_port, Server};
+use crate::sidebyside::ServerArgs;
 use crate::stats::Percentiles;
 
 /// Options of `mesh-bench mooncake`.
@@ -48,24 +49,8 @@ pub(crate) struct MooncakeArgs {
     /// Requests outstanding at most (the rest wait their turn).
     #[arg(long, default_value_t = 16)]
     max_inflight: usize,
-    /// GGUF model both servers load.
-    #[arg(long, default_value = "models/t1-q8_0.gguf")]
-    model: PathBuf,
-    /// Tier name.
-    #[arg(long, default_value = "t1")]
-    tier: String,
-    /// Slots of both servers.
-    #[arg(long, default_value_t = 8)]
-    parallel: u32,
-    /// Context per slot.
-    #[arg(long, default_value_t = 2048)]
-    ctx: u32,
-    /// mesh binary.
-    #[arg(long, default_value = "target/release/mesh")]
-    mesh_bin: PathBuf,
-    /// llama-server binary.
-    #[arg(long, default_value = ".cache/llama-server/bin/llama-server")]
-    llama_server: PathBuf,
+    #[command(flatten)]
+    servers: ServerArgs,
     /// JSON report.
     #[arg(long, default_value = "bench-results/mooncake.json")]
     out: PathBuf,
@@ -171,7 +156,7 @@ async fn replay(
                 tokio::time::sleep(wait).await;
             }
             let _permit = sem.acquire().await.expect("semaphore open");
-            send(client, base, &a.tier, r).await
+            send(client, base, &a.servers.tier, r).await
         }
     });
     let ttft = futures::future::try_join_all(futs).await?;
@@ -192,20 +177,11 @@ async fn scrape(client: &reqwest::Client, base: &str, name: &str) -> f64 {
 }
 
 pub(crate) async fn run(a: MooncakeArgs) -> Result<()> {
-    for (p, hint) in [
-        (&a.trace, "trace"),
-        (&a.model, "GGUF"),
-        (&a.mesh_bin, "cargo build --release -p mesh"),
-        (&a.llama_server, "scripts/build-llama-server.sh"),
-    ] {
-        if !p.exists() {
-            bail!("{} not found ({hint})", p.display());
-        }
-    }
+    a.servers.check(&[(&a.trace, "trace")])?;
     let reqs = load(&a)?;
     if reqs
         .iter()
-        .any(|r| r.tokens.len() + r.output > a.ctx as usize)
+        .any(|r| r.tokens.len() + r.output > a.servers.ctx as usize)
     {
         bail!("--max-blocks × --block-tokens + --max-output exceeds --ctx");
     }
@@ -221,78 +197,12 @@ pub(crate) async fn run(a: MooncakeArgs) -> Result<()> {
     }
     let bound = reusable as f64 / total.max(1) as f64;
     let prompt_tokens: usize = reqs.iter().map(|r| r.tokens.len()).sum();
-    if let Some(d) = a.out.parent() {
-        std::fs::create_dir_all(d)?;
-    }
-    let model = a.model.display().to_string();
-    let total_ctx = (a.ctx * a.parallel).to_string();
-    let parallel = a.parallel.to_string();
-    let mesh_port = free_port()?;
-    let mesh_args: Vec<String> = [
-        "up",
-        "--port",
-        &mesh_port.to_string(),
-        "--tier",
-        &format!("{}={model}", a.tier),
-        "--threads",
-        "1",
-        "--parallel",
-        &parallel,
-        "--ctx",
-        &total_ctx,
-        "--kv-block",
-        &a.block_tokens.to_string(),
-    ]
-    .map(String::from)
-    .to_vec();
-    let llama_port = free_port()?;
-    let llama_args: Vec<String> = [
-        "-m",
-        &model,
-        "--host",
-        "127.0.0.1",
-        "--port",
-        &llama_port.to_string(),
-        "--alias",
-        &a.tier,
-        "-t",
-        "1",
-        "-tb",
-        "1",
-        "-c",
-        &total_ctx,
-        "-np",
-        &parallel,
-        "-b",
-        "512",
-        "-ub",
-        "512",
-        "--cont-batching",
-        "--cache-prompt",
-        "--no-webui",
-        "--metrics",
-        "--no-kv-unified",
-    ]
-    .map(String::from)
-    .to_vec();
-    let log = |s: &str| a.out.with_extension(s);
-    let mut servers = vec![
-        Server::spawn("mesh", &a.mesh_bin, mesh_args, mesh_port, log("mesh.log"))?,
-        Server::spawn(
-            "llama-server",
-            &a.llama_server,
-            llama_args,
-            llama_port,
-            log("llama-server.log"),
-        )?,
-    ];
-    let client = reqwest::Client::builder()
-        .pool_max_idle_per_host(0)
-        .tcp_nodelay(true)
-        .build()?;
-    for s in servers.iter_mut() {
-        s.wait_healthy(&client, Duration::from_secs(180)).await?;
-    }
+    let mut servers = Vec::new();
+    let kv_block = ["--kv-block".to_owned(), a.block_tokens.to_string()];
+    let (client, _) = a
+        .servers
+        .start(&a.out, &kv_block, &mut servers, &ProgressBar::hidden())
+        .await?;
     let mut res = vec![];
     for s in &servers {
         eprintln!("replaying {} requests against {}", reqs.len(), s.name);

@@ -11,33 +11,21 @@
 //! the agents' distinct tails.
 
 use std::path::PathBuf;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
+use indicatif::ProgressBar;
 use serde_json::{json, Value};
 
-use crate::server::{free_port, Server};
+use crate::sidebyside::ServerArgs;
 use crate::stats::Percentiles;
 use crate::workload::{self, RequestSpec};
 
 /// Options of `mesh-bench prefix`.
 #[derive(clap::Args, Debug)]
 pub(crate) struct PrefixArgs {
-    /// GGUF model both servers load.
-    #[arg(long, default_value = "models/t1-q8_0.gguf")]
-    model: PathBuf,
-    /// Tier name (llama-server alias).
-    #[arg(long, default_value = "t1")]
-    tier: String,
-    /// Threads for both servers.
-    #[arg(long, default_value_t = 1)]
-    threads: u32,
-    /// Slots (sequences decoded together) of both servers.
-    #[arg(long, default_value_t = 8)]
-    parallel: u32,
-    /// Context per slot.
-    #[arg(long, default_value_t = 2048)]
-    ctx: u32,
+    #[command(flatten)]
+    servers: ServerArgs,
     /// Concurrent agents.
     #[arg(long, default_value_t = 16)]
     agents: usize,
@@ -56,12 +44,6 @@ pub(crate) struct PrefixArgs {
     /// Tool catalog.
     #[arg(long, default_value = "models/fixtures/catalog.jsonl")]
     catalog: PathBuf,
-    /// mesh binary.
-    #[arg(long, default_value = "target/release/mesh")]
-    mesh_bin: PathBuf,
-    /// llama-server binary (`scripts/build-llama-server.sh`).
-    #[arg(long, default_value = ".cache/llama-server/bin/llama-server")]
-    llama_server: PathBuf,
     /// JSON report (markdown next to it, `.md`; server logs `.mesh.log`, `.llama-server.log`).
     #[arg(long, default_value = "bench-results/prefix.json")]
     out: PathBuf,
@@ -106,7 +88,7 @@ async fn run_rep(
     prefix: &str,
 ) -> Result<RepResult> {
     let spec = RequestSpec {
-        model: &a.tier,
+        model: &a.servers.tier,
         max_tokens: a.max_tokens,
     };
     let t0 = Instant::now();
@@ -145,16 +127,7 @@ async fn scrape(client: &reqwest::Client, base: &str, name: &str) -> f64 {
 }
 
 pub(crate) async fn run(a: PrefixArgs) -> Result<()> {
-    for (p, hint) in [
-        (&a.model, "GGUF"),
-        (&a.catalog, "catalog"),
-        (&a.mesh_bin, "cargo build --release -p mesh"),
-        (&a.llama_server, "scripts/build-llama-server.sh"),
-    ] {
-        if !p.exists() {
-            bail!("{} not found ({hint})", p.display());
-        }
-    }
+    a.servers.check(&[(&a.catalog, "catalog")])?;
     if a.agents == 0 || a.turns == 0 || a.reps == 0 {
         bail!("--agents, --turns and --reps must be at least 1");
     }
@@ -162,81 +135,12 @@ pub(crate) async fn run(a: PrefixArgs) -> Result<()> {
     if let Some(d) = a.out.parent() {
         std::fs::create_dir_all(d)?;
     }
-    let model = a.model.display().to_string();
-    let total_ctx = (a.ctx * a.parallel).to_string();
-    let (threads, parallel) = (a.threads.to_string(), a.parallel.to_string());
-    let mesh_port = free_port()?;
-    let mesh_args: Vec<String> = [
-        "up",
-        "--port",
-        &mesh_port.to_string(),
-        "--tier",
-        &format!("{}={model}", a.tier),
-        "--threads",
-        &threads,
-        "--parallel",
-        &parallel,
-        "--ctx",
-        &total_ctx,
-    ]
-    .map(String::from)
-    .to_vec();
-    let llama_port = free_port()?;
-    let llama_args: Vec<String> = [
-        "-m",
-        &model,
-        "--host",
-        "127.0.0.1",
-        "--port",
-        &llama_port.to_string(),
-        "--alias",
-        &a.tier,
-        "-t",
-        &threads,
-        "-tb",
-        &threads,
-        "-c",
-        &total_ctx,
-        "-np",
-        &parallel,
-        "-b",
-        "512",
-        "-ub",
-        "512",
-        "--cont-batching",
-        "--cache-prompt",
-        "--no-webui",
-        "--metrics",
-        "--no-kv-unified",
-    ]
-    .map(String::from)
-    .to_vec();
-    let log = |s: &str| {
-        a.out.with_file_name(format!(
-            "{}{s}",
-            a.out
-                .file_stem()
-                .map(|x| x.to_string_lossy().into_owned())
-                .unwrap_or_default()
-        ))
-    };
-    let mut servers = vec![
-        Server::spawn("mesh", &a.mesh_bin, mesh_args, mesh_port, log(".mesh.log"))?,
-        Server::spawn(
-            "llama-server",
-            &a.llama_server,
-            llama_args,
-            llama_port,
-            log(".llama-server.log"),
-        )?,
-    ];
-    let client = reqwest::Client::builder()
-        .pool_max_idle_per_host(0)
-        .tcp_nodelay(true)
-        .build()?;
-    for s in servers.iter_mut() {
-        s.wait_healthy(&client, Duration::from_secs(180)).await?;
-    }
+    let model = a.servers.model.display().to_string();
+    let mut servers = Vec::new();
+    let (client, _) = a
+        .servers
+        .start(&a.out, &[], &mut servers, &ProgressBar::hidden())
+        .await?;
     let bases: Vec<String> = servers.iter().map(|s| s.base_url.clone()).collect();
     // Warm-up on a prefix no repetition uses.
     let warm = shared_prefix(&catalog, 1000, a.prefix_tools);
@@ -245,7 +149,7 @@ pub(crate) async fn run(a: PrefixArgs) -> Result<()> {
             &client,
             b,
             &RequestSpec {
-                model: &a.tier,
+                model: &a.servers.tier,
                 max_tokens: 4,
             },
             &format!("{warm}{}", question(0, 0)),
@@ -298,7 +202,7 @@ pub(crate) async fn run(a: PrefixArgs) -> Result<()> {
     let report = json!({
         "machine": crate::machine::machine(),
         "settings": {"model": model, "agents": a.agents, "turns": a.turns, "prefix_tools": a.prefix_tools, "max_tokens": a.max_tokens,
-                     "threads": a.threads, "parallel": a.parallel, "ctx": a.ctx, "reps": a.reps, "prompt_tokens": prompt_tokens},
+                     "threads": a.servers.threads, "parallel": a.servers.parallel, "ctx": a.servers.ctx, "reps": a.reps, "prompt_tokens": prompt_tokens},
         "mesh": {"requests_per_s": m_tput, "ttft_s": m_ttft, "page_store_bytes_per_rep": page_bytes, "recompute_avoided_tokens": reused},
         "llama_server": {"requests_per_s": l_tput, "ttft_s": l_ttft},
         "ratios": {"throughput": m_tput / l_tput, "ttft_p50": ratio(m_ttft.p50, l_ttft.p50), "ttft_p95": ratio(m_ttft.p95, l_ttft.p95)},

@@ -151,6 +151,21 @@ impl Server {
     }
 }
 
+/// Sum of every series of metric `name` (all label sets) in a [`Server::metrics`] map; `None`
+/// when the server exposes no such metric.
+pub(crate) fn metric_sum(
+    metrics: &serde_json::Map<String, serde_json::Value>,
+    name: &str,
+) -> Option<f64> {
+    let mut found = None;
+    for (series, v) in metrics {
+        if series.split('{').next() == Some(name) {
+            *found.get_or_insert(0.0) += v.as_f64().unwrap_or(0.0);
+        }
+    }
+    found
+}
+
 /// Samples of a Prometheus text exposition, without comments and histogram buckets.
 fn parse_prometheus(text: &str) -> serde_json::Map<String, serde_json::Value> {
     let mut out = serde_json::Map::new();
@@ -190,5 +205,7 @@ mod tests {
         assert_eq!(m.len(), 2);
         assert_eq!(m["mesh_generation_tokens_total{model=\"t1\"}"], 8.0);
         assert_eq!(m["llamacpp:n_decode_total"], 42.0);
+        assert_eq!(metric_sum(&m, "mesh_generation_tokens_total"), Some(8.0));
+        assert_eq!(metric_sum(&m, "mesh_generation_tokens"), None);
     }
 }

@@ -49,12 +49,30 @@ pub(crate) fn load_catalog(path: &Path) -> Result<Vec<Value>> {
 /// Prompt number `k`: system line, `n_tools` schemas starting at catalog entry `k`, and a
 /// user request for the first of them.
 pub(crate) fn prompt(catalog: &[Value], k: usize, n_tools: usize) -> String {
+    let tools = tools_for(catalog, k, n_tools);
+    let mut out = system_turn(&tools);
+    out.push_str(&user_turn(&user_request(tools[0], k)));
+    out.push_str(ASSISTANT);
+    out
+}
+
+/// Opens the assistant's turn; the model writes from here.
+pub(crate) const ASSISTANT: &str = "<|assistant|>";
+/// Ends every turn (the bundled models' end-of-generation token).
+pub(crate) const END: &str = "<|end|>";
+
+/// `n_tools` (at least one) catalog entries for prompt `k`, starting at entry `k`.
+pub(crate) fn tools_for(catalog: &[Value], k: usize, n_tools: usize) -> Vec<&Value> {
     let n = catalog.len();
     // Past one lap of the catalog the stride changes, so the tool lists still differ early.
     let stride = 37 + 2 * (k / n);
-    let tools: Vec<&Value> = (0..n_tools.max(1))
+    (0..n_tools.max(1))
         .map(|j| &catalog[(k + j * stride) % n])
-        .collect();
+        .collect()
+}
+
+/// The system turn: the trained system line and the tool schemas.
+pub(crate) fn system_turn(tools: &[&Value]) -> String {
     let mut out = format!("<|system|>{SYSTEM}\n<tools>\n");
     for (j, t) in tools.iter().enumerate() {
         if j > 0 {
@@ -62,14 +80,18 @@ pub(crate) fn prompt(catalog: &[Value], k: usize, n_tools: usize) -> String {
         }
         out.push_str(&py_json(t));
     }
-    out.push_str("\n</tools><|end|><|user|>");
-    out.push_str(&user_request(tools[0], k));
-    out.push_str("<|end|><|assistant|>");
+    out.push_str("\n</tools>");
+    out.push_str(END);
     out
 }
 
+/// A user turn.
+pub(crate) fn user_turn(text: &str) -> String {
+    format!("<|user|>{text}{END}")
+}
+
 /// A request that fits `tool`, with argument values that vary with `k`.
-fn user_request(tool: &Value, k: usize) -> String {
+pub(crate) fn user_request(tool: &Value, k: usize) -> String {
     let desc = tool["description"]
         .as_str()
         .unwrap_or("help me")
@@ -341,10 +363,11 @@ pub(crate) async fn run_batch(
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
 
-    fn catalog() -> Vec<Value> {
+    /// A small catalog for tests: `tool_i` with one `city` parameter.
+    pub(crate) fn catalog() -> Vec<Value> {
         (0..10)
             .map(|i| {
                 json!({"name": format!("tool_{i}"), "description": format!("Do thing {i}."),
