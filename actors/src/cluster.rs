@@ -13,12 +13,12 @@
 
 use std::collections::HashSet;
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use dashmap::DashMap;
-use futures::future::BoxFuture;
+use futures::future::{BoxFuture, FutureExt, Shared};
 use mesh_transport::frame::{read_frame, write_frame, FrameError};
 use mesh_transport::{Endpoint, PeerConnection, TransportConfig, DEFAULT_MAX_FRAME};
 use tokio::sync::mpsc;
@@ -102,6 +102,28 @@ pub trait Service: Send + Sync + 'static {
 /// Largest page frame accepted from a peer (pages of big models are MiB-sized).
 pub const MAX_PAGE_FRAME: usize = 256 << 20;
 
+/// Pages a peer sent for one pull: `(page id, stored bytes)` in prefix order.
+pub type PulledPages = Vec<([u8; 32], Vec<u8>)>;
+
+/// One page pull in flight, shared by every caller that wants the same pages.
+type PagePull = Shared<BoxFuture<'static, Result<Arc<PulledPages>, CallError>>>;
+
+/// Process-wide counters of page pulls (exported as metrics by the node).
+#[derive(Debug, Default)]
+pub struct PullStats {
+    /// Pulls that opened a stream to a peer.
+    pub started: AtomicU64,
+    /// Calls that wanted exactly the pages of a pull already in flight and waited for it
+    /// instead of opening their own stream.
+    pub joined: AtomicU64,
+}
+
+/// The page-pull counters of this process.
+pub static PULL_STATS: PullStats = PullStats {
+    started: AtomicU64::new(0),
+    joined: AtomicU64::new(0),
+};
+
 /// Why a remote call failed.
 #[derive(Debug, Clone, thiserror::Error)]
 pub enum CallError {
@@ -169,6 +191,8 @@ struct Inner {
     conns: DashMap<String, quinn::Connection>,
     dialing: Mutex<HashSet<String>>,
     inflight: DashMap<String, Arc<AtomicU32>>,
+    /// Page pulls in flight, by a hash of (peer, tier, salt, page ids).
+    pulls: DashMap<[u8; 32], PagePull>,
     stopping: AtomicBool,
 }
 
@@ -184,6 +208,20 @@ impl std::fmt::Debug for Cluster {
             .field("me", &self.inner.me)
             .finish()
     }
+}
+
+/// Identity of a page pull: the same pages of the same peer's tier.
+fn pull_key(node: &str, model: &str, salt: &[u8; 32], ids: &[[u8; 32]]) -> [u8; 32] {
+    let mut h = blake3::Hasher::new();
+    for part in [node.as_bytes(), model.as_bytes()] {
+        h.update(&(part.len() as u64).to_le_bytes());
+        h.update(part);
+    }
+    h.update(salt);
+    for id in ids {
+        h.update(id);
+    }
+    *h.finalize().as_bytes()
 }
 
 fn now_ms() -> u64 {
@@ -228,6 +266,7 @@ impl Cluster {
             conns: DashMap::new(),
             dialing: Mutex::new(HashSet::new()),
             inflight: DashMap::new(),
+            pulls: DashMap::new(),
             stopping: AtomicBool::new(false),
         });
         let c = Cluster { inner };
@@ -644,13 +683,50 @@ impl Cluster {
     /// form, on a stream of their own. The caller checks each page against its id and salt.
     ///
     /// Cancel safety: cancel-safe.
+    ///
+    /// Concurrent calls for the same pages of the same peer share one pull: when several
+    /// requests with one prefix arrive together (agents started at once), the pages cross
+    /// the wire once and every caller gets them.
     pub async fn fetch_pages(
         &self,
         node: &str,
         model: &str,
         salt: [u8; 32],
         ids: Vec<[u8; 32]>,
-    ) -> Result<Vec<([u8; 32], Vec<u8>)>, CallError> {
+    ) -> Result<PulledPages, CallError> {
+        let key = pull_key(node, model, &salt, &ids);
+        let pull = match self.inner.pulls.entry(key) {
+            dashmap::Entry::Occupied(e) => {
+                PULL_STATS.joined.fetch_add(1, Ordering::Relaxed);
+                e.get().clone()
+            }
+            dashmap::Entry::Vacant(v) => {
+                PULL_STATS.started.fetch_add(1, Ordering::Relaxed);
+                let (this, node, model) = (self.clone(), node.to_owned(), model.to_owned());
+                let pull = async move {
+                    let got = this.pull_pages(&node, &model, salt, ids).await;
+                    // Later calls start a fresh pull (the pages are stored by then, or the
+                    // pull failed and deserves another try).
+                    this.inner.pulls.remove(&key);
+                    got.map(Arc::new)
+                }
+                .boxed()
+                .shared();
+                v.insert(pull.clone());
+                pull
+            }
+        };
+        pull.await.map(|pages| pages.as_ref().clone())
+    }
+
+    /// One page pull over its own stream.
+    async fn pull_pages(
+        &self,
+        node: &str,
+        model: &str,
+        salt: [u8; 32],
+        ids: Vec<[u8; 32]>,
+    ) -> Result<PulledPages, CallError> {
         let req = Request::FetchPages {
             model: model.to_owned(),
             salt: salt.to_vec(),

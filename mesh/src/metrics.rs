@@ -510,6 +510,17 @@ impl Collector for NodeCollector {
             true,
             &[(NoLabels {}, f.frames_out.load(Relaxed))],
         )?;
+        let pulls = &mesh_actors::cluster::PULL_STATS;
+        family(
+            &mut enc,
+            "kv_peer_pulls",
+            "Page pulls from peers: `started` opened a stream, `joined` waited for an identical pull already in flight",
+            true,
+            &[
+                (OutcomeLabel { outcome: "started" }, pulls.started.load(Relaxed)),
+                (OutcomeLabel { outcome: "joined" }, pulls.joined.load(Relaxed)),
+            ],
+        )?;
         Ok(())
     }
 }

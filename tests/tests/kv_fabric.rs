@@ -137,11 +137,28 @@ async fn pages_computed_on_one_node_are_pulled_by_another() {
     }
     // Let b hear (next heartbeat) that a is busy, so its gateway serves p2 itself.
     tokio::time::sleep(Duration::from_millis(400)).await;
-    // b serves p2 and pulls the shared prefix from a instead of prefilling it.
-    let got = complete(&client, &b.http, &p2, 24).await;
-    assert_eq!(got, want, "restored-from-peer prefix changed the answer");
+    // b serves p2, three times at once (agents started together), and pulls the shared
+    // prefix from a instead of prefilling it: once, however many requests want it.
+    let calls = (0..3).map(|_| {
+        let (client, base, p2) = (client.clone(), b.http.clone(), p2.clone());
+        tokio::spawn(async move { complete(&client, &base, &p2, 24).await })
+    });
+    for got in futures::future::join_all(calls).await {
+        assert_eq!(
+            got.unwrap(),
+            want,
+            "restored-from-peer prefix changed the answer"
+        );
+    }
     let fetched = metric(&client, &b.http, "mesh_kv_pages_fetched_from_peers_total").await;
     assert!(fetched > 0.0, "b fetched no pages from a");
+    let pulls = metric(&client, &b.http, "mesh_kv_peer_pulls_total{outcome=\"started\"}").await;
+    let joined = metric(&client, &b.http, "mesh_kv_peer_pulls_total{outcome=\"joined\"}").await;
+    eprintln!("b: {pulls} page pull(s) started, {joined} call(s) joined one in flight");
+    assert_eq!(
+        pulls, 1.0,
+        "b pulled the same prefix more than once ({joined} calls joined a pull in flight)"
+    );
     assert!(metric(&client, &b.http, "mesh_kv_prefix_hits_total").await >= 1.0);
     assert!(
         metric(&client, &b.http, "mesh_kv_recompute_avoided_tokens_total").await >= 16.0 * fetched
