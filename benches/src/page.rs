@@ -187,7 +187,8 @@ pub(crate) fn page(
                 md.push_str(&format!(
                     "Closed-loop streams, each sending {} requests back to back per repetition; {} tokens per request (EOS ignored, temperature 0, streaming); distinct prompts of about {} tokens; {} repetitions per workload and target. Source: `{path}`.\n\n",
                     j["settings"]["rounds"], j["settings"]["max_tokens"],
-                    j["checks"]["prompt_tokens"]["median"], j["settings"]["reps"],
+                    j["checks"]["prompt_tokens"]["median"].as_f64().map_or("?".into(), |v| format!("{v:.0}")),
+                    j["settings"]["reps"],
                 ));
                 if points.len() > 1 {
                     let ttft = Plot {
@@ -472,6 +473,7 @@ mod tests {
         assert!(md.contains(
             "| 1 stream | generated tok/s (all streams) | higher | 90.0 | 100.0 | 0.900 |"
         ));
+        assert!(md.contains("distinct prompts of about 400 tokens"));
         assert!(md.contains("2 cores shared with other work"));
         assert!(md.contains("other processes used 0.35 cores on average (35 CPU-s)"));
         assert!(md.contains("- machine: Test CPU (nproc 2), 8.0 GiB"));
