@@ -6,8 +6,9 @@
 //! target/release/examples/spec_serving --prompts 16 --max-tokens 96
 //! ```
 //!
-//! Both engines live in one process and run the same prompts one after the other
-//! (t3 alone, then t3 with the draft, for each concurrency), so machine load hits both.
+//! Both engines live in one process, each warmed up with one prompt, and run the same
+//! prompts one after the other (t3 alone, then t3 with the draft, for each concurrency),
+//! so machine load hits both.
 //! Figures: per-sequence decode rate (tokens after the first over the time from the first
 //! token to the last, summed over sequences), wall-clock rate (all generated tokens over
 //! the run, prefill included), how many outputs equal t3 alone token for token, and the
@@ -84,15 +85,15 @@ fn cpu() -> (u64, u64, u64) {
     let total: u64 = f.iter().sum();
     let idle = f.get(3).copied().unwrap_or(0) + f.get(4).copied().unwrap_or(0);
     let me = std::fs::read_to_string("/proc/self/stat").unwrap_or_default();
-    // Fields after the command name: utime and stime are the 12th and 13th.
-    let rest: Vec<u64> = me
+    // Fields after the command name: state, then utime and stime 12th and 13th.
+    let rest: Vec<&str> = me
         .rsplit_once(')')
         .map(|(_, r)| r)
         .unwrap_or("")
         .split_whitespace()
-        .filter_map(|x| x.parse().ok())
         .collect();
-    let mine = rest.get(10).copied().unwrap_or(0) + rest.get(11).copied().unwrap_or(0);
+    let field = |i: usize| rest.get(i).and_then(|x| x.parse::<u64>().ok()).unwrap_or(0);
+    let mine = field(11) + field(12);
     (total - idle, total, mine)
 }
 
@@ -197,6 +198,10 @@ async fn main() {
         .take(a.prompts)
         .map(|t| plain.tokenize(&t.prompt))
         .collect();
+    // Warm-up, not measured: the first decodes fault the mmapped weights in from disk.
+    for e in [&plain, &spec] {
+        run(e, &prompts[..1], 1, a.max_tokens).await;
+    }
     println!(
         "{} held-out prompts, at most {} new tokens, {} llama.cpp threads, loadavg at start {}",
         prompts.len(),
