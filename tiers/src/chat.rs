@@ -230,12 +230,20 @@ pub fn parse_output(text: &str) -> ParsedOutput {
     while let Some(start) = rest.find(CALL) {
         content.push_str(&rest[..start]);
         let body_start = start + CALL.len();
-        let (body, next) = match rest[body_start..].find(END_CALL) {
-            Some(e) => (
-                &rest[body_start..body_start + e],
-                &rest[body_start + e + END_CALL.len()..],
+        let (body, next) = match json_then_end(&rest[body_start..]) {
+            // The call is one JSON value followed by `</tool_call>`; a string inside it may
+            // itself contain `</tool_call>`, so the value decides where the call ends.
+            Some(len) => (
+                &rest[body_start..body_start + len],
+                &rest[body_start + len..].trim_start()[END_CALL.len()..],
             ),
-            None => (&rest[body_start..], ""),
+            None => match rest[body_start..].find(END_CALL) {
+                Some(e) => (
+                    &rest[body_start..body_start + e],
+                    &rest[body_start + e + END_CALL.len()..],
+                ),
+                None => (&rest[body_start..], ""),
+            },
         };
         match parse_call(body) {
             Some(c) => out.tool_calls.push(c),
@@ -249,6 +257,14 @@ pub fn parse_output(text: &str) -> ParsedOutput {
     content.push_str(rest);
     out.content = content.trim().to_owned();
     out
+}
+
+/// Length of the JSON value at the start of `text` when `</tool_call>` follows it.
+fn json_then_end(text: &str) -> Option<usize> {
+    let mut values = serde_json::Deserializer::from_str(text).into_iter::<Value>();
+    values.next()?.ok()?;
+    let len = values.byte_offset();
+    text[len..].trim_start().starts_with(END_CALL).then_some(len)
 }
 
 fn parse_call(body: &str) -> Option<ToolCall> {
@@ -330,6 +346,17 @@ mod tests {
         assert_eq!(p.tool_calls[0].arguments, json!({"n": 6}));
         assert_eq!(p.content, "");
         assert_eq!(p.malformed_calls, 0);
+    }
+
+    #[test]
+    fn call_ends_where_its_json_ends() {
+        // A string argument holding the closing tag does not end the call.
+        let p = parse_output(
+            r#"<tool_call>{"name": "a", "arguments": {"q": "x</tool_call> y"}}</tool_call> done"#,
+        );
+        assert_eq!(p.malformed_calls, 0);
+        assert_eq!(p.tool_calls[0].arguments, json!({"q": "x</tool_call> y"}));
+        assert_eq!(p.content, "done");
     }
 
     #[test]
