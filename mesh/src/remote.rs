@@ -54,7 +54,11 @@ const ADVERTISED_PAGES: usize = 1024;
 
 /// Pulls the leading prefix pages of `prompt` that this node lacks from the live peer
 /// advertising the longest run of them; returns how many pages were stored. Fetched pages are
-/// checked against their ids and salt before they are stored.
+/// checked against their ids and salt before they are stored. Traced as `kv.lookup`: pages
+/// of the prompt, how many are local, how many were pulled and from which peer.
+#[tracing::instrument(name = "kv.lookup", skip_all, fields(gen_ai.request.model = %model,
+    mesh.kv.pages = tracing::field::Empty, mesh.kv.pages_local = tracing::field::Empty,
+    mesh.kv.pages_pulled = tracing::field::Empty, mesh.kv.peer = tracing::field::Empty))]
 pub async fn prefetch(
     registry: &Registry,
     cluster: Option<&Cluster>,
@@ -69,6 +73,9 @@ pub async fn prefetch(
     let usable = prompt.len().saturating_sub(1);
     let (salt, ids) = pages.chain(&prompt[..usable], scope);
     let local = ids.iter().take_while(|id| pages.store.contains(id)).count();
+    let span = tracing::Span::current();
+    span.record("mesh.kv.pages", ids.len());
+    span.record("mesh.kv.pages_local", local);
     if local == ids.len() {
         return 0;
     }
@@ -88,6 +95,7 @@ pub async fn prefetch(
         .filter(|(_, run)| *run > local)
         .max_by_key(|(_, run)| *run);
     let Some((node, run)) = best else { return 0 };
+    span.record("mesh.kv.peer", node.as_str());
     let want: Vec<[u8; 32]> = ids[local..run].iter().map(|i| i.0).collect();
     let t0 = std::time::Instant::now();
     match cluster.fetch_pages(&node, model, salt.0, want).await {
@@ -104,6 +112,7 @@ pub async fn prefetch(
                 }
                 n += 1;
             }
+            span.record("mesh.kv.pages_pulled", n);
             tracing::debug!(%node, tier = %model, pages = n, ms = t0.elapsed().as_millis() as u64, "pulled prefix pages from a peer");
             n
         }
@@ -212,6 +221,10 @@ impl mesh_actors::Service for NodeService {
         let entry = self.registry.get(&call.model).map(|e| e.value().clone());
         let (registry, cluster) = (self.registry.clone(), self.cluster.clone());
         Box::pin(async move {
+            let span = info_span!("tier.generate", gen_ai.request.model = %call.model,
+                gen_ai.operation.name = "chat", mesh.remote = true, mesh.request_id = %call.request_id,
+                gen_ai.usage.input_tokens = call.prompt.len(), gen_ai.usage.output_tokens = tracing::field::Empty);
+            let _ = span.set_parent(extract_context(&call.trace));
             prefetch(
                 &registry,
                 cluster.get(),
@@ -219,6 +232,7 @@ impl mesh_actors::Service for NodeService {
                 &call.prompt,
                 &call.cache_scope,
             )
+            .instrument(span.clone())
             .await;
             let Some(entry) = entry else {
                 return Err(RemoteError {
@@ -226,10 +240,6 @@ impl mesh_actors::Service for NodeService {
                     message: format!("tier `{}` is not running on this node", call.model),
                 });
             };
-            let span = info_span!("tier.generate", gen_ai.request.model = %call.model,
-                gen_ai.operation.name = "chat", mesh.remote = true, mesh.request_id = %call.request_id,
-                gen_ai.usage.input_tokens = call.prompt.len(), gen_ai.usage.output_tokens = tracing::field::Empty);
-            let _ = span.set_parent(extract_context(&call.trace));
             let req = from_call(call);
             let mut rx = match ractor::call!(entry.actor, |reply| TierMsg::Generate { req, reply })
             {

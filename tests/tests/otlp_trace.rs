@@ -216,4 +216,13 @@ async fn one_trace_spans_both_nodes_at_a_real_otlp_receiver() {
         .find(|s| s.service == "mesh@entry" && s.name == "gateway.chat" && s.trace == tier.trace)
         .expect("the entry node's gateway span is in the same trace");
     assert!(gateway.parent.is_empty(), "gateway.chat is the root");
+    // The serving node looks up the prompt's KV pages (local, then peers) inside its tier span.
+    let lookup = spans
+        .iter()
+        .find(|s| s.service == "mesh@serving" && s.name == "kv.lookup" && s.trace == tier.trace)
+        .unwrap_or_else(|| panic!("no kv.lookup span in the request's trace: {spans:?}"));
+    assert_eq!(
+        lookup.parent, tier.id,
+        "kv.lookup is a child of the serving node's tier.generate"
+    );
 }
