@@ -45,6 +45,11 @@ pub enum ControlError {
     /// unbound.
     #[error("cannot bind {0}")]
     Bind(String),
+    /// The host has no CPU-less NUMA node (far memory such as CXL-attached DRAM), so the
+    /// KV page store runs without its far tier. Nothing to fix unless the host should
+    /// have one: then check `mesh topology` and the kernel's view (`numactl -H`).
+    #[error("no far memory: this host has no CPU-less NUMA node")]
+    NoFarMemory,
     /// The policy state file could not be read or written; the message names the path.
     #[error("policy state: {0}")]
     PolicyState(String),

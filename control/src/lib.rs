@@ -15,7 +15,8 @@
 //! immutable (rebuild it, the cache makes that cheap).
 //!
 //! Also here: the host's topology ([`topology`], hwloc) and the placement of tier threads
-//! on its cores ([`placement`]); the tuner's rules ([`tuner`]), statistical gate
+//! on its cores ([`placement`]); page memory on far NUMA nodes for the KV page store
+//! ([`farmem`]); the tuner's rules ([`tuner`]), statistical gate
 //! ([`gate`]), knobs and policy state file ([`policy`]), and A/B probe windows on a real
 //! engine ([`trial`]) (`docs/tuner.md`).
 //!
@@ -23,6 +24,7 @@
 
 pub mod embed;
 mod error;
+pub mod farmem;
 pub mod gate;
 pub mod index;
 pub mod lexical;

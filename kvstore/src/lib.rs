@@ -4,17 +4,26 @@
 //! - [`codec`]: cut llama.cpp's per-sequence state into per-block pages and
 //!   reassemble any prefix into a restorable state (format in `shared/KV-STATE-NOTES.md`).
 //! - [`page`]: the stored form of a page (header with id, salt and checksum).
-//! - [`store`]: RAM and disk tiers with budgets, LRU eviction, dedup, corruption refusal.
+//! - [`store`]: RAM, far-memory and disk tiers with budgets, LRU eviction, dedup,
+//!   corruption refusal.
+//! - [`far`]: the allocator interface of the far-memory tier (a CPU-less NUMA node such
+//!   as CXL-attached DRAM); the node implements it with hwloc (`mesh_control::farmem`),
+//!   so this crate does not depend on hwloc.
 //!
-//! I/O-free except the disk tier of [`store`]. Not built yet: the far-memory (CXL) tier,
-//! peer fetch over QUIC and prefix-aware routing (KV fabric issue).
+//! I/O-free except the disk tier of [`store`]. The far tier exists only on hosts with
+//! far memory; on a host without one (the development VM included) the store runs with
+//! RAM and disk only, and the far tier's logic is covered by unit tests with a heap
+//! allocator standing in. Fetching pages from peers over QUIC is built on top, in
+//! `mesh-actors` and the node (`mesh/src/remote.rs`).
 
 pub mod codec;
+pub mod far;
 pub mod id;
 pub mod page;
 pub mod store;
 
 pub use codec::{assemble, parse, CodecError, Layout};
+pub use far::{FarMemory, FarMemoryError};
 pub use id::{chain, ModelFingerprint, PageId, Salt, SaltBase};
 pub use page::PageMeta;
 pub use store::{PageStore, StoreConfig, StoreStats};

@@ -1,14 +1,27 @@
-//! The page store: a RAM tier over an optional disk tier.
+//! The page store: a RAM tier over an optional far-memory tier and an optional disk tier.
 //!
 //! ```text
 //!   put ─▶ RAM (LRU, byte budget) ──write-through (writer thread)──▶ disk (page files, byte budget)
+//!           │ evicted, least recently used first
+//!           ▼
+//!          far memory (LRU, byte budget; optional) ── evicted ─▶ freed (the disk copy stays)
+//!
 //!   get ─▶ RAM hit ─▶ checksum ─▶ payload
-//!          RAM miss ─▶ disk hit ─▶ checksum ─▶ promote to RAM ─▶ payload
+//!          RAM miss ─▶ far hit ─▶ copy to RAM ─▶ checksum ─▶ promote (leaves far) ─▶ payload
+//!                                               corrupt ─▶ refused, counted, freed ─▶ try disk
+//!          far miss ─▶ disk hit ─▶ checksum ─▶ promote to RAM ─▶ payload
 //!                      corrupt ─▶ refused, counted, file deleted ─▶ miss (caller recomputes)
 //! ```
 //!
-//! Disk is write-through, so a page evicted from RAM (least recently used first)
-//! is still on disk, and disk pages survive a restart (the folder is indexed at
+//! A page lives in RAM or in far memory, never both (far memory holds what RAM
+//! evicted, so the two budgets add up), and on disk as well when the disk tier is on.
+//! Far memory ([`FarMemory`], a CPU-less NUMA node found by the node at start) is
+//! optional: without one, or with `far_bytes` 0, pages evicted from RAM are only on
+//! disk. A far allocation that fails is counted ([`StoreStats::far_errors`], logged
+//! once) and the page stays only on disk.
+//!
+//! Disk is write-through, so a page evicted from RAM or far memory (least recently
+//! used first) is still on disk, and disk pages survive a restart (the folder is indexed at
 //! open). When the disk budget is full, the least recently used disk pages are
 //! deleted. A failed disk write (disk full, read-only folder) switches the disk
 //! tier off, says so once in the log and in [`StoreStats::disk_degraded`], and
@@ -27,6 +40,7 @@ use std::sync::{mpsc, Arc, Mutex};
 use bytes::Bytes;
 use tracing::{info, warn};
 
+use crate::far::FarMemory;
 use crate::id::{PageId, Salt};
 use crate::page::{self, PageMeta};
 
@@ -39,6 +53,10 @@ pub struct StoreConfig {
     pub disk_dir: Option<PathBuf>,
     /// Disk tier budget in bytes; 0 turns the disk tier off.
     pub disk_bytes: u64,
+    /// Far-memory allocator; `None` for no far tier.
+    pub far: Option<Arc<dyn FarMemory>>,
+    /// Far tier budget in bytes (pages with headers); 0 turns the far tier off.
+    pub far_bytes: u64,
 }
 
 /// Counters (exported as metrics).
@@ -46,6 +64,8 @@ pub struct StoreConfig {
 pub struct StoreStats {
     /// Pages found in RAM.
     pub hits_ram: AtomicU64,
+    /// Pages found in far memory.
+    pub hits_far: AtomicU64,
     /// Pages found on disk.
     pub hits_disk: AtomicU64,
     /// Pages asked for and not found.
@@ -58,20 +78,28 @@ pub struct StoreStats {
     pub dedup_bytes: AtomicU64,
     /// Pages refused because their checksum or header was wrong.
     pub corrupt: AtomicU64,
-    /// Pages evicted from RAM (still on disk when the disk tier is on).
+    /// Pages evicted from RAM (moved to far memory, and still on disk when the disk tier is on).
     pub evicted_ram: AtomicU64,
+    /// Pages evicted from far memory for its budget (still on disk when the disk tier is on).
+    pub evicted_far: AtomicU64,
     /// Pages deleted from disk for its budget.
     pub evicted_disk: AtomicU64,
     /// Bytes in RAM.
     pub bytes_ram: AtomicU64,
+    /// Bytes in far memory.
+    pub bytes_far: AtomicU64,
     /// Bytes on disk.
     pub bytes_disk: AtomicU64,
     /// Pages in RAM.
     pub pages_ram: AtomicU64,
+    /// Pages in far memory.
+    pub pages_far: AtomicU64,
     /// Pages on disk.
     pub pages_disk: AtomicU64,
     /// Disk write/read errors.
     pub disk_errors: AtomicU64,
+    /// Far-memory allocations that failed (those pages were kept only on disk).
+    pub far_errors: AtomicU64,
     /// Pages fetched from peers and stored here.
     pub fetched_from_peers: AtomicU64,
     /// Bytes of those pages.
@@ -112,6 +140,18 @@ impl Lru {
         self.order.remove(&t);
         self.bytes -= b.len() as u64;
         Some(b)
+    }
+    /// Inserts, then evicts least recently used pages until `budget` holds; returns them.
+    fn insert_within(&mut self, id: PageId, b: Bytes, budget: u64) -> Vec<(PageId, Bytes)> {
+        self.insert(id, b);
+        let mut out = vec![];
+        while self.bytes > budget {
+            match self.pop_oldest() {
+                Some(v) => out.push(v),
+                None => break,
+            }
+        }
+        out
     }
     fn pop_oldest(&mut self) -> Option<(PageId, Bytes)> {
         let (&t, &id) = self.order.iter().next()?;
@@ -175,10 +215,18 @@ impl Disk {
     }
 }
 
+struct Far {
+    mem: Arc<dyn FarMemory>,
+    budget: u64,
+    lru: Mutex<Lru>,
+    warned: AtomicBool,
+}
+
 /// A tiered page store. Cheap to share (`Arc`).
 pub struct PageStore {
     ram_budget: u64,
     ram: Mutex<Lru>,
+    far: Option<Far>,
     disk: Option<Arc<Disk>>,
     writer: Mutex<Option<mpsc::Sender<(PageId, Bytes)>>>,
     writer_thread: Mutex<Option<std::thread::JoinHandle<()>>>,
@@ -189,6 +237,7 @@ impl std::fmt::Debug for PageStore {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("PageStore")
             .field("ram_budget", &self.ram_budget)
+            .field("far", &self.far.as_ref().map(|f| (f.mem.nodes(), f.budget)))
             .field("disk", &self.disk.as_ref().map(|d| d.dir.clone()))
             .finish()
     }
@@ -266,9 +315,19 @@ impl PageStore {
             }
             None => (None, None),
         };
+        let far = match cfg.far {
+            Some(mem) if cfg.far_bytes > 0 => Some(Far {
+                mem,
+                budget: cfg.far_bytes,
+                lru: Mutex::new(Lru::default()),
+                warned: AtomicBool::new(false),
+            }),
+            _ => None,
+        };
         Self {
             ram_budget: cfg.ram_bytes,
             ram: Mutex::new(Lru::default()),
+            far,
             disk,
             writer: Mutex::new(writer),
             writer_thread: Mutex::new(writer_thread),
@@ -281,9 +340,18 @@ impl PageStore {
         &self.stats
     }
 
+    /// NUMA nodes of the far-memory tier; `None` when the store has no far tier.
+    pub fn far_nodes(&self) -> Option<Vec<u32>> {
+        self.far.as_ref().map(|f| f.mem.nodes())
+    }
+
     /// Whether `id` is stored in any tier (no checksum check).
     pub fn contains(&self, id: &PageId) -> bool {
         self.ram.lock().expect("ram").map.contains_key(id)
+            || self
+                .far
+                .as_ref()
+                .is_some_and(|f| f.lru.lock().expect("far").map.contains_key(id))
             || self
                 .disk
                 .as_ref()
@@ -302,6 +370,32 @@ impl PageStore {
                 Err(e) => {
                     self.refuse(id, &e.to_string());
                     return None;
+                }
+            }
+        }
+        if let Some(f) = &self.far {
+            let taken = {
+                let mut lru = f.lru.lock().expect("far");
+                let b = lru.remove(id);
+                self.stats.bytes_far.store(lru.bytes, Relaxed);
+                self.stats.pages_far.store(lru.map.len() as u64, Relaxed);
+                b
+            };
+            if let Some(far_copy) = taken {
+                // Check the copy that will be served, then free the far one.
+                let bytes = Bytes::copy_from_slice(&far_copy);
+                drop(far_copy);
+                match page::decode(&bytes, id, salt) {
+                    Ok((_, payload)) => {
+                        self.stats.hits_far.fetch_add(1, Relaxed);
+                        self.insert_ram(*id, bytes);
+                        return Some(payload);
+                    }
+                    Err(e) => {
+                        // The disk copy, if any, is checked on its own below.
+                        warn!(page = %id, reason = %e, "refused a corrupt KV page from far memory");
+                        self.stats.corrupt.fetch_add(1, Relaxed);
+                    }
                 }
             }
         }
@@ -406,7 +500,8 @@ impl PageStore {
         }
     }
 
-    /// Ids of up to `limit` pages held, most recently used first (RAM, then disk).
+    /// Ids of up to `limit` pages held, most recently used first (RAM, then far memory,
+    /// then disk).
     pub fn recent_ids(&self, limit: usize) -> Vec<PageId> {
         let mut out: Vec<PageId> = self
             .ram
@@ -418,6 +513,11 @@ impl PageStore {
             .take(limit)
             .copied()
             .collect();
+        if let Some(f) = self.far.as_ref().filter(|_| out.len() < limit) {
+            // RAM and far memory never hold the same page.
+            let lru = f.lru.lock().expect("far");
+            out.extend(lru.order.values().rev().take(limit - out.len()).copied());
+        }
         if out.len() < limit {
             if let Some(d) = &self.disk {
                 let idx = d.index.lock().expect("disk index");
@@ -466,18 +566,46 @@ impl PageStore {
     }
 
     fn insert_ram(&self, id: PageId, bytes: Bytes) {
-        let mut ram = self.ram.lock().expect("ram");
-        ram.insert(id, bytes);
-        while ram.bytes > self.ram_budget {
-            match ram.pop_oldest() {
-                Some(_) => {
-                    self.stats.evicted_ram.fetch_add(1, Relaxed);
-                }
-                None => break,
+        let evicted = {
+            let mut ram = self.ram.lock().expect("ram");
+            let out = ram.insert_within(id, bytes, self.ram_budget);
+            self.stats.evicted_ram.fetch_add(out.len() as u64, Relaxed);
+            self.stats.bytes_ram.store(ram.bytes, Relaxed);
+            self.stats.pages_ram.store(ram.map.len() as u64, Relaxed);
+            out
+        };
+        // Copied into far memory outside the RAM lock: reads of other pages do not wait.
+        if let Some(f) = &self.far {
+            for (id, bytes) in evicted {
+                self.demote_far(f, id, &bytes);
             }
         }
-        self.stats.bytes_ram.store(ram.bytes, Relaxed);
-        self.stats.pages_ram.store(ram.map.len() as u64, Relaxed);
+    }
+
+    fn demote_far(&self, f: &Far, id: PageId, page: &[u8]) {
+        if page.len() as u64 > f.budget {
+            return;
+        }
+        let far_copy = match f.mem.copy_in(page) {
+            Ok(b) => b,
+            Err(e) => {
+                self.stats.far_errors.fetch_add(1, Relaxed);
+                if !f.warned.swap(true, Relaxed) {
+                    warn!(nodes = ?f.mem.nodes(), error = %e, "far memory refused a KV page; such pages are kept only on disk (logged once)");
+                }
+                return;
+            }
+        };
+        let freed = {
+            let mut lru = f.lru.lock().expect("far");
+            let out = lru.insert_within(id, far_copy, f.budget);
+            self.stats.evicted_far.fetch_add(out.len() as u64, Relaxed);
+            self.stats.bytes_far.store(lru.bytes, Relaxed);
+            self.stats.pages_far.store(lru.map.len() as u64, Relaxed);
+            out
+        };
+        // Far memory is returned to the OS outside the lock.
+        drop(freed);
     }
 
     fn forget_disk(&self, id: &PageId) {
@@ -561,7 +689,179 @@ impl Drop for PageStore {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::far::FarMemoryError;
     use crate::id::PageId;
+
+    /// Far memory on the ordinary heap; can damage the next page it takes, or refuse.
+    #[derive(Debug, Default)]
+    struct HeapFar {
+        corrupt_next: AtomicBool,
+        fail: AtomicBool,
+    }
+
+    impl FarMemory for HeapFar {
+        fn copy_in(&self, page: &[u8]) -> Result<Bytes, FarMemoryError> {
+            if self.fail.load(Relaxed) {
+                return Err(FarMemoryError::Allocation {
+                    bytes: page.len(),
+                    reason: "node full".into(),
+                });
+            }
+            let mut v = page.to_vec();
+            if self.corrupt_next.swap(false, Relaxed) {
+                let n = v.len();
+                v[n - 1] ^= 0xFF;
+            }
+            Ok(Bytes::from(v))
+        }
+
+        fn nodes(&self) -> Vec<u32> {
+            vec![2]
+        }
+    }
+
+    const PAGE: usize = 100;
+    const PAGE_LEN: u64 = (page::HEADER_LEN + PAGE) as u64;
+
+    /// A store holding `ram` pages in RAM and `far` in far memory, with a disk tier when
+    /// `disk` is given.
+    fn tiered(ram: u64, far: u64, disk: Option<&std::path::Path>, mem: &Arc<HeapFar>) -> PageStore {
+        PageStore::open(StoreConfig {
+            ram_bytes: ram * PAGE_LEN,
+            disk_dir: disk.map(Into::into),
+            disk_bytes: if disk.is_some() { 1 << 20 } else { 0 },
+            far: Some(mem.clone()),
+            far_bytes: far * PAGE_LEN,
+        })
+    }
+
+    fn get(s: &PageStore, i: u8) -> Option<Bytes> {
+        s.get(&meta(i).id, &meta(i).salt)
+    }
+
+    fn far_ids(s: &PageStore) -> Vec<u8> {
+        let f = s.far.as_ref().unwrap().lru.lock().unwrap();
+        f.order.values().map(|id| id.0[0]).collect()
+    }
+
+    #[test]
+    fn demotion_goes_ram_then_far_then_disk() {
+        let dir = tempfile::tempdir().unwrap();
+        let mem = Arc::new(HeapFar::default());
+        let s = tiered(2, 2, Some(dir.path()), &mem);
+        assert_eq!(s.far_nodes(), Some(vec![2]));
+        for i in 0..5 {
+            assert!(s.put(&meta(i), &[i; PAGE]));
+        }
+        s.flush();
+        // RAM keeps the newest two, far memory the two before, page 0 is only on disk.
+        assert_eq!(far_ids(&s), vec![1, 2]);
+        let st = s.stats();
+        assert_eq!(st.evicted_ram.load(Relaxed), 3);
+        assert_eq!(st.evicted_far.load(Relaxed), 1);
+        assert_eq!(st.pages_ram.load(Relaxed), 2);
+        assert_eq!(st.pages_far.load(Relaxed), 2);
+        assert_eq!(st.bytes_far.load(Relaxed), 2 * PAGE_LEN);
+        assert_eq!(st.pages_disk.load(Relaxed), 5);
+        assert!(s.contains(&meta(0).id) && s.contains(&meta(1).id));
+        // Most recent first: RAM (4, 3), far memory (2, 1), disk (0).
+        let order: Vec<u8> = s.recent_ids(10).iter().map(|id| id.0[0]).collect();
+        assert_eq!(order, vec![4, 3, 2, 1, 0]);
+        // A far hit comes back to RAM and leaves far memory; RAM's oldest (3) goes there.
+        assert_eq!(get(&s, 1).unwrap()[..], [1u8; PAGE][..]);
+        assert_eq!(st.hits_far.load(Relaxed), 1);
+        assert_eq!(far_ids(&s), vec![2, 3]);
+        assert_eq!(st.pages_far.load(Relaxed), 2);
+        // Page 0 comes from disk and pushes 4 into far memory, evicting 2 from it.
+        assert_eq!(get(&s, 0).unwrap()[..], [0u8; PAGE][..]);
+        assert_eq!(st.hits_disk.load(Relaxed), 1);
+        assert_eq!(far_ids(&s), vec![3, 4]);
+        assert_eq!(st.evicted_far.load(Relaxed), 2);
+        assert_eq!(st.hits_ram.load(Relaxed), 0);
+        assert_eq!(get(&s, 2).unwrap()[..], [2u8; PAGE][..]);
+        assert_eq!(st.hits_disk.load(Relaxed), 2);
+    }
+
+    #[test]
+    fn far_hit_is_promoted_without_a_disk_tier() {
+        let mem = Arc::new(HeapFar::default());
+        let s = tiered(1, 2, None, &mem);
+        for i in 0..3 {
+            s.put(&meta(i), &[i; PAGE]);
+        }
+        assert_eq!(far_ids(&s), vec![0, 1]);
+        assert_eq!(get(&s, 0).unwrap()[..], [0u8; PAGE][..]);
+        assert_eq!(s.stats().hits_far.load(Relaxed), 1);
+        // Served again from RAM: the promotion stuck.
+        assert_eq!(get(&s, 0).unwrap()[..], [0u8; PAGE][..]);
+        assert_eq!(s.stats().hits_ram.load(Relaxed), 1);
+        assert_eq!(far_ids(&s), vec![1, 2]);
+        // A put pushes 0 down; far memory is full and drops 1, which no tier holds now.
+        s.put(&meta(3), &[3; PAGE]);
+        assert_eq!(far_ids(&s), vec![2, 0]);
+        assert!(!s.contains(&meta(1).id));
+        assert!(get(&s, 1).is_none());
+        assert_eq!(s.stats().misses.load(Relaxed), 1);
+        // Put again after the far copy is gone: stored, not deduplicated.
+        assert!(s.put(&meta(1), &[1; PAGE]));
+    }
+
+    #[test]
+    fn corrupt_far_page_is_refused_and_counted() {
+        // Without disk: refused, counted, gone.
+        let mem = Arc::new(HeapFar::default());
+        let s = tiered(1, 4, None, &mem);
+        s.put(&meta(0), &[0; PAGE]);
+        mem.corrupt_next.store(true, Relaxed);
+        s.put(&meta(1), &[1; PAGE]); // demotes page 0, damaged on the way
+        assert!(get(&s, 0).is_none());
+        assert_eq!(s.stats().corrupt.load(Relaxed), 1);
+        assert_eq!(s.stats().misses.load(Relaxed), 1);
+        assert_eq!(s.stats().hits_far.load(Relaxed), 0);
+        assert!(!s.contains(&meta(0).id));
+        assert_eq!(s.stats().pages_far.load(Relaxed), 0);
+
+        // With disk: the far copy is refused and the intact disk copy served.
+        let dir = tempfile::tempdir().unwrap();
+        let s = tiered(1, 4, Some(dir.path()), &mem);
+        s.put(&meta(0), &[0; PAGE]);
+        mem.corrupt_next.store(true, Relaxed);
+        s.put(&meta(1), &[1; PAGE]);
+        s.flush();
+        assert_eq!(get(&s, 0).unwrap()[..], [0u8; PAGE][..]);
+        assert_eq!(s.stats().corrupt.load(Relaxed), 1);
+        assert_eq!(s.stats().hits_disk.load(Relaxed), 1);
+        assert_eq!(s.stats().hits_far.load(Relaxed), 0);
+    }
+
+    #[test]
+    fn far_budget_zero_or_failing_allocator_leaves_ram_and_disk() {
+        let dir = tempfile::tempdir().unwrap();
+        let mem = Arc::new(HeapFar::default());
+        // Budget 0: no far tier even with an allocator.
+        let s = tiered(1, 0, Some(dir.path()), &mem);
+        assert_eq!(s.far_nodes(), None);
+        s.put(&meta(0), &[0; PAGE]);
+        s.put(&meta(1), &[1; PAGE]);
+        s.flush();
+        assert_eq!(s.stats().pages_far.load(Relaxed), 0);
+        assert_eq!(get(&s, 0).unwrap()[..], [0u8; PAGE][..]);
+        assert_eq!(s.stats().hits_disk.load(Relaxed), 1);
+        drop(s);
+
+        // An allocator that refuses: counted, the page stays on disk.
+        let dir = tempfile::tempdir().unwrap();
+        mem.fail.store(true, Relaxed);
+        let s = tiered(1, 4, Some(dir.path()), &mem);
+        s.put(&meta(0), &[0; PAGE]);
+        s.put(&meta(1), &[1; PAGE]);
+        s.put(&meta(2), &[2; PAGE]);
+        s.flush();
+        assert_eq!(s.stats().far_errors.load(Relaxed), 2);
+        assert_eq!(s.stats().pages_far.load(Relaxed), 0);
+        assert_eq!(get(&s, 0).unwrap()[..], [0u8; PAGE][..]);
+        assert_eq!(s.stats().hits_disk.load(Relaxed), 1);
+    }
 
     fn meta(i: u8) -> PageMeta {
         PageMeta {
@@ -580,6 +880,8 @@ mod tests {
             ram_bytes: 2 * page_len,
             disk_dir: Some(dir.path().into()),
             disk_bytes: 1 << 20,
+            far: None,
+            far_bytes: 0,
         });
         for i in 0..3 {
             assert!(s.put(&meta(i), &[i; 1000]));
@@ -608,6 +910,8 @@ mod tests {
             ram_bytes: 1 << 20,
             disk_dir: Some(dir.path().into()),
             disk_bytes: 1 << 20,
+            far: None,
+            far_bytes: 0,
         };
         {
             let s = PageStore::open(cfg.clone());
@@ -642,6 +946,8 @@ mod tests {
             ram_bytes: 1 << 20,
             disk_dir: Some(blocker.join("pages")),
             disk_bytes: 1 << 20,
+            far: None,
+            far_bytes: 0,
         });
         assert_eq!(s.stats().disk_degraded.load(Relaxed), 1);
         assert!(s.put(&meta(1), &[1; 10]));
@@ -651,6 +957,8 @@ mod tests {
             ram_bytes: 1 << 20,
             disk_dir: Some(dir.path().into()),
             disk_bytes: 0,
+            far: None,
+            far_bytes: 0,
         });
         assert!(s.put(&meta(1), &[1; 10]));
         assert_eq!(s.stats().disk_degraded.load(Relaxed), 0);
@@ -664,6 +972,8 @@ mod tests {
             ram_bytes: 1 << 20,
             disk_dir: Some(dir.path().into()),
             disk_bytes: 2 * page_len,
+            far: None,
+            far_bytes: 0,
         });
         for i in 0..3 {
             s.put(&meta(i), &[i; 100]);

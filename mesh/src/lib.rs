@@ -18,6 +18,8 @@ pub mod config;
 pub mod control_api;
 pub mod env;
 #[cfg(feature = "node")]
+pub mod farmem;
+#[cfg(feature = "node")]
 pub mod gateway;
 #[cfg(feature = "node")]
 pub mod metrics;
@@ -86,6 +88,7 @@ mod node_run {
         )?);
         let mut tiers = cfg.tiers.clone();
         let placement = crate::placement::apply(&cfg.placement, &mut tiers);
+        crate::farmem::apply(&mesh_control::topology::Topology::detect(), &mut tiers);
         let (supervisor, registry) = crate::node::start(tiers).await?;
         let settings = GatewaySettings {
             max_concurrent: cfg.max_concurrent,

@@ -322,6 +322,8 @@ fn topology(a: &TopologyArgs) -> anyhow::Result<()> {
         println!("{}", serde_json::to_string_pretty(&v)?);
     } else {
         print!("{}", topo.render());
+        let far = mesh::farmem::apply(&topo, &mut cfg.tiers.clone());
+        println!("kv far     {}", far.render());
         println!();
         print!("{}", plan.render());
     }

@@ -383,74 +383,45 @@ impl Collector for NodeCollector {
             let rows: Vec<_> = per.iter().map(|(n, p)| (m(n), get(p))).collect();
             family(&mut enc, name, help, true, &rows)?;
         }
-        let hits: Vec<_> = per
-            .iter()
-            .flat_map(|(n, p)| {
-                let st = p.store.stats();
-                [
-                    (t(n, "ram"), st.hits_ram.load(Relaxed)),
-                    (t(n, "disk"), st.hits_disk.load(Relaxed)),
-                ]
-            })
-            .collect();
-        family(
-            &mut enc,
-            "kv_page_hits",
-            "Pages found, by storage tier",
-            true,
-            &hits,
-        )?;
-        let evicted: Vec<_> = per
-            .iter()
-            .flat_map(|(n, p)| {
-                let st = p.store.stats();
-                [
-                    (t(n, "ram"), st.evicted_ram.load(Relaxed)),
-                    (t(n, "disk"), st.evicted_disk.load(Relaxed)),
-                ]
-            })
-            .collect();
-        family(
-            &mut enc,
-            "kv_pages_evicted",
-            "Pages evicted for the tier's budget",
-            true,
-            &evicted,
-        )?;
-        let pages: Vec<_> = per
-            .iter()
-            .flat_map(|(n, p)| {
-                let st = p.store.stats();
-                [
-                    (t(n, "ram"), st.pages_ram.load(Relaxed)),
-                    (t(n, "disk"), st.pages_disk.load(Relaxed)),
-                ]
-            })
-            .collect();
-        family(
-            &mut enc,
-            "kv_pages",
-            "Pages held, by storage tier",
-            false,
-            &pages,
-        )?;
-        let bytes: Vec<_> = per
-            .iter()
-            .flat_map(|(n, p)| {
-                let st = p.store.stats();
-                [
-                    (t(n, "ram"), st.bytes_ram.load(Relaxed)),
-                    (t(n, "disk"), st.bytes_disk.load(Relaxed)),
-                ]
-            })
-            .collect();
-        family(
-            &mut enc,
-            "kv_page_bytes",
-            "Bytes of pages held, by storage tier",
-            false,
-            &bytes,
-        )?;
+        type ByTier = fn(&mesh_kvstore::StoreStats) -> [&std::sync::atomic::AtomicU64; 3];
+        let by_tier: [(&str, &str, bool, ByTier); 4] = [
+            ("kv_page_hits", "Pages found, by storage tier", true, |s| {
+                [&s.hits_ram, &s.hits_far, &s.hits_disk]
+            }),
+            (
+                "kv_pages_evicted",
+                "Pages evicted for the tier's budget",
+                true,
+                |s| [&s.evicted_ram, &s.evicted_far, &s.evicted_disk],
+            ),
+            ("kv_pages", "Pages held, by storage tier", false, |s| {
+                [&s.pages_ram, &s.pages_far, &s.pages_disk]
+            }),
+            (
+                "kv_page_bytes",
+                "Bytes of pages held, by storage tier",
+                false,
+                |s| [&s.bytes_ram, &s.bytes_far, &s.bytes_disk],
+            ),
+        ];
+        for (name, help, counter, get) in by_tier {
+            // A store without a far tier has no `far` rows (absent, not zero).
+            let rows: Vec<_> = per
+                .iter()
+                .flat_map(|(n, p)| {
+                    let [ram, far, disk] = get(p.store.stats()).map(|a| a.load(Relaxed));
+                    let has_far = p.store.far_nodes().is_some();
+                    [
+                        Some((t(n, "ram"), ram)),
+                        has_far.then(|| (t(n, "far"), far)),
+                        Some((t(n, "disk"), disk)),
+                    ]
+                    .into_iter()
+                    .flatten()
+                })
+                .collect();
+            family(&mut enc, name, help, counter, &rows)?;
+        }
         let degraded: Vec<_> = per
             .iter()
             .map(|(n, p)| (m(n), p.store.stats().disk_degraded.load(Relaxed)))
@@ -461,6 +432,33 @@ impl Collector for NodeCollector {
             "1 when the page disk tier was switched off after an error",
             false,
             &degraded,
+        )?;
+        // The far tier: rows only for stores that have one, and the node count (0: none).
+        let mut far_nodes: Vec<u32> = per
+            .iter()
+            .filter_map(|(_, p)| p.store.far_nodes())
+            .flatten()
+            .collect();
+        far_nodes.sort_unstable();
+        far_nodes.dedup();
+        family(
+            &mut enc,
+            "kv_far_memory_nodes",
+            "CPU-less NUMA nodes holding KV pages (0: no far-memory tier)",
+            false,
+            &[(NoLabels {}, far_nodes.len() as u64)],
+        )?;
+        let far_errors: Vec<_> = per
+            .iter()
+            .filter(|(_, p)| p.store.far_nodes().is_some())
+            .map(|(n, p)| (m(n), p.store.stats().far_errors.load(Relaxed)))
+            .collect();
+        family(
+            &mut enc,
+            "kv_far_errors",
+            "Pages far memory could not take (kept only on disk)",
+            true,
+            &far_errors,
         )?;
         // Speculative decoding, for the tiers that have a draft model.
         let mut spec: Vec<(String, Arc<EngineStats>)> = self

@@ -350,6 +350,12 @@ async fn agents_with_the_same_tools_share_prefix_pages() {
         .unwrap();
     assert_eq!(metric(&m0, "mesh_kv_prefix_hits_total"), 0.0);
     assert!(metric(&m0, "mesh_kv_pages_published_total") > 0.0, "{m0}");
+    // This host has no far memory: the tier is reported absent and has no rows of its own.
+    assert!(
+        m0.lines().any(|l| l == "mesh_kv_far_memory_nodes 0"),
+        "{m0}"
+    );
+    assert!(!m0.contains("tier=\"far\""), "{m0}");
     // Same tools, another question: the shared prefix (tool schemas) is restored.
     let (s, _, _) = post(
         &c,

@@ -60,6 +60,10 @@ pub struct EngineConfig {
     /// bind the thread to the tier's planned cores. Not part of the file config.
     #[serde(skip)]
     pub thread_setup: ThreadSetup,
+    /// Far memory for the page store's far tier (`kv_pages.far_bytes`); the node sets it
+    /// when the host has a CPU-less NUMA node. Not part of the file config.
+    #[serde(skip)]
+    pub kv_far_memory: Option<Arc<dyn mesh_kvstore::FarMemory>>,
 }
 
 /// Code run first on an engine's own thread. Threads llama.cpp starts later (its compute
@@ -110,6 +114,12 @@ pub struct KvPagesConfig {
     pub disk_dir: Option<PathBuf>,
     /// Disk budget in bytes; 0 turns the disk tier off.
     pub disk_bytes: u64,
+    /// Far-memory budget in bytes (pages evicted from RAM go there before they are only
+    /// on disk); 0 turns the far tier off. Unset: the node picks it (a quarter of the
+    /// host's CPU-less NUMA memory, split among the paged tiers; no tier when the host
+    /// has none). Costs memory on the far node only, and a copy per page moved there
+    /// or back.
+    pub far_bytes: Option<u64>,
 }
 
 impl Default for KvPagesConfig {
@@ -119,6 +129,7 @@ impl Default for KvPagesConfig {
             ram_bytes: 256 << 20,
             disk_dir: None,
             disk_bytes: 4 << 30,
+            far_bytes: None,
         }
     }
 }
@@ -185,6 +196,7 @@ impl Default for EngineConfig {
             kv_pages: KvPagesConfig::default(),
             draft: None,
             thread_setup: ThreadSetup::default(),
+            kv_far_memory: None,
         }
     }
 }

@@ -415,7 +415,7 @@ fn start_pages(
         warn!(tier = %cfg.name, "could not read the KV layout; prefix pages off");
         return None;
     };
-    match KvCache::new(&cfg.kv_pages, &cfg.model, layout) {
+    match KvCache::new(&cfg.kv_pages, &cfg.model, layout, cfg.kv_far_memory.clone()) {
         Ok(k) => Some(k),
         Err(e) => {
             warn!(tier = %cfg.name, error = %e, "prefix pages off");

@@ -17,7 +17,7 @@ use std::sync::Arc;
 use llama_cpp_2::context::session::LlamaStateSeqFlags;
 use llama_cpp_2::context::LlamaContext;
 use mesh_kvstore::{
-    chain, codec, Layout, ModelFingerprint, PageId, PageMeta, PageStore, Salt, SaltBase,
+    chain, codec, FarMemory, Layout, ModelFingerprint, PageId, PageMeta, PageStore, Salt, SaltBase,
     StoreConfig,
 };
 use tracing::{debug, warn};
@@ -96,17 +96,21 @@ impl PromptPages {
 
 impl KvCache {
     /// Sets up paging for a context: learns the KV layout by decoding one token into
-    /// `probe_seq` (then clears it) and opens the store.
+    /// `probe_seq` (then clears it) and opens the store, with a far-memory tier when `far`
+    /// is given and `cfg.far_bytes` is set and not 0.
     pub fn new(
         cfg: &KvPagesConfig,
         model_path: &std::path::Path,
         layout: Layout,
+        far: Option<Arc<dyn FarMemory>>,
     ) -> std::io::Result<Self> {
         let model = ModelFingerprint::of_file(model_path)?;
         let store = Arc::new(PageStore::open(StoreConfig {
             ram_bytes: cfg.ram_bytes,
             disk_dir: cfg.disk_dir.clone(),
             disk_bytes: cfg.disk_bytes,
+            far,
+            far_bytes: cfg.far_bytes.unwrap_or(0),
         }));
         Ok(Self {
             block: cfg.block,

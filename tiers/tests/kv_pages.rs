@@ -29,6 +29,7 @@ fn engine(block: usize, disk: Option<std::path::PathBuf>, n_seq_max: u32) -> Eng
             ram_bytes: 64 << 20,
             disk_bytes: if disk.is_some() { 64 << 20 } else { 0 },
             disk_dir: disk,
+            ..KvPagesConfig::default()
         },
         ..EngineConfig::default()
     })
