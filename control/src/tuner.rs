@@ -295,6 +295,14 @@ mod tests {
     use crate::gate::Verdict;
     use crate::policy::PolicyState;
 
+    /// The policy the tests start from: first-tier margin 1.0, so a step either way
+    /// stays inside the knob's bounds (independent of the shipped default).
+    fn start() -> Policy {
+        let mut p = Policy::default();
+        p.cascade.min_margin = vec![1.0, 1.0];
+        p
+    }
+
     fn counters(acc: Option<(u64, u64)>, steps: u64, low_margin: u64) -> Counters {
         Counters {
             requests: 50,
@@ -309,7 +317,7 @@ mod tests {
     #[test]
     fn rules_fire_on_their_condition_only() {
         let cfg = TunerConfig::default();
-        let p = Policy::default();
+        let p = start();
         let r = rules();
         // Accurate, most first-tier answers escalate on margin: lower the margin.
         let prop = propose(&r, &counters(Some((45, 50)), 40, 30), &p, &cfg).unwrap();
@@ -346,7 +354,7 @@ mod tests {
 
     #[test]
     fn manual_proposals_are_one_bounded_step() {
-        let p = Policy::default();
+        let p = start();
         let m = manual(&p, "router_top_k", 6.0, latency()).unwrap();
         assert_eq!((m.before, m.after), (5.0, 6.0));
         assert!(manual(&p, "router_top_k", 9.0, latency())
@@ -367,7 +375,7 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("policy.json");
         let cfg = TunerConfig::default();
-        let mut state = PolicyState::new(Policy::default());
+        let mut state = PolicyState::new(start());
         state.save(&path).unwrap();
         let c = counters(Some((45, 50)), 40, 30);
 

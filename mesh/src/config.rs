@@ -13,7 +13,7 @@
 //! [[tiers]]
 //! name = "t3"
 //! model = "models/t3-q8_0.gguf"
-//! draft = "t1"             # greedy requests: t1 drafts, t3 verifies (a tier name or a GGUF path)
+//! draft = "t1"             # t1 drafts, t3 verifies (a tier name or a GGUF path)
 //! # or: draft = { model = "t1", k_init = 4, k_min = 1, k_max = 12 }
 //! ```
 

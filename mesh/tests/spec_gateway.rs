@@ -1,8 +1,8 @@
 //! Speculative decoding through the gateway: a node whose t3 has t1 as its draft
 //! (`draft = "t1"`) answers chat completions exactly as a node without the draft,
 //! streamed and not, reports the drafted and accepted tokens per response and in
-//! `mesh_spec_*_tokens_total`; requests with a grammar (tools offered) decode without
-//! drafts and still match.
+//! `mesh_spec_*_tokens_total`; requests with a grammar (tools offered) are drafted too
+//! and still match.
 
 mod common;
 
@@ -165,12 +165,20 @@ async fn a_drafted_tier_answers_like_the_tier_alone() {
         assert_eq!(streamed(&c, &spec, &request(q)).await, want_stream, "{q} streamed");
     }
 
-    // Tools offered: a grammar, so no drafts; still the same answer.
+    // Tools offered: the lazy tool-call grammar constrains every verified token, and the
+    // drafted answer is still the tier's own.
     let q = "What is the forecast for Oslo on 2026-05-01?";
     let want = chat(&c, &plain, &with_tools(q)).await;
     let got = chat(&c, &spec, &with_tools(q)).await;
     assert_eq!(message(&got), message(&want));
-    assert!(got["mesh"].get("speculative").is_none(), "grammar requests do not draft");
+    assert_eq!(got["usage"], want["usage"]);
+    assert!(
+        want["choices"][0]["message"]["tool_calls"][0]["function"]["name"].is_string(),
+        "the tools request made a call: {want}"
+    );
+    let s = &got["mesh"]["speculative"];
+    assert!(s["draft_tokens"].as_u64().unwrap() > 0, "grammar requests draft: {s}");
+    drafted += s["draft_tokens"].as_u64().unwrap();
 
     let m = |base: &str| {
         let c = c.clone();

@@ -54,6 +54,8 @@ struct Args {
     k: usize,
     spec_only: bool,
     grammar: bool,
+    n_ctx: u32,
+    outputs: Option<PathBuf>,
 }
 
 fn parse_args() -> Args {
@@ -70,6 +72,8 @@ fn parse_args() -> Args {
         k: 4,
         spec_only: false,
         grammar: false,
+        n_ctx: 4096,
+        outputs: None,
     };
     let mut it = std::env::args().skip(1);
     while let Some(k) = it.next() {
@@ -94,10 +98,12 @@ fn parse_args() -> Args {
             "--k" => a.k = v().parse().expect("k"),
             "--spec-only" => a.spec_only = true,
             "--grammar" => a.grammar = true,
+            "--n-ctx" => a.n_ctx = v().parse().expect("n_ctx"),
+            "--outputs" => a.outputs = Some(v().into()),
             _ => panic!(
                 "usage: cascade_eval [--tiers t1,t2,t3] [--eval FILE] [--out JSON] [--md FILE] \
                  [--margins 0,1,2,..] [--budgets 16,8,4] [--max-tokens N] [--threads N] [--limit N] \
-                 [--k N] [--spec-only] [--grammar]"
+                 [--k N] [--spec-only] [--grammar] [--n-ctx N] [--outputs FILE.jsonl]"
             ),
         }
     }
@@ -384,7 +390,7 @@ async fn main() {
         let e = Engine::start(EngineConfig {
             name: tier.clone(),
             model: model_path(tier),
-            n_ctx: 4096,
+            n_ctx: a.n_ctx,
             n_seq_max: 1,
             threads: a.threads,
             ..EngineConfig::default()
@@ -402,6 +408,19 @@ async fn main() {
             t0.elapsed().as_secs_f64(),
             rs.iter().filter(|r| r.exact).count()
         );
+        if let Some(path) = &a.outputs {
+            use std::io::Write;
+            let mut f = std::fs::OpenOptions::new()
+                .create(true)
+                .append(true)
+                .open(path)
+                .unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+            for (i, (t, r)) in tasks.iter().zip(&rs).enumerate() {
+                let line = json!({"tier": tier, "i": i, "split": t.split, "kind": t.kind, "sub": t.sub,
+                                  "exact": r.exact, "output": r.text, "expected": t.completion});
+                writeln!(f, "{line}").expect("write outputs");
+            }
+        }
         runs.push(rs);
         engines.push(e);
     }
@@ -475,7 +494,7 @@ async fn main() {
     let e = Engine::start(EngineConfig {
         name: a.tiers[last].clone(),
         model: model_path(&a.tiers[last]),
-        n_ctx: 4096,
+        n_ctx: a.n_ctx,
         n_seq_max: 1,
         threads: a.threads,
         ..EngineConfig::default()

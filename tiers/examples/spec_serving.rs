@@ -4,7 +4,11 @@
 //! ```sh
 //! cargo build --release --workspace --examples
 //! target/release/examples/spec_serving --prompts 16 --max-tokens 96
+//! target/release/examples/spec_serving --prompts 16 --max-tokens 96 --grammar
 //! ```
+//!
+//! With `--grammar` each request carries the lazy tool-call grammar the gateway attaches
+//! when a chat request offers tools (built from the prompt's `<tools>` block).
 //!
 //! Both engines live in one process, each warmed up with one prompt, and run the same
 //! prompts one after the other (t3 alone, then t3 with the draft, for each concurrency),
@@ -25,6 +29,7 @@ struct Args {
     max_tokens: usize,
     threads: i32,
     models: PathBuf,
+    grammar: bool,
 }
 
 fn args() -> Args {
@@ -33,16 +38,23 @@ fn args() -> Args {
         max_tokens: 96,
         threads: 2,
         models: PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/../models")),
+        grammar: false,
     };
     let mut it = std::env::args().skip(1);
     while let Some(k) = it.next() {
+        if k == "--grammar" {
+            a.grammar = true;
+            continue;
+        }
         let v = it.next().unwrap_or_else(|| panic!("{k} needs a value"));
         match k.as_str() {
             "--prompts" => a.prompts = v.parse().expect("--prompts N"),
             "--max-tokens" => a.max_tokens = v.parse().expect("--max-tokens N"),
             "--threads" => a.threads = v.parse().expect("--threads N"),
             "--models" => a.models = v.into(),
-            _ => panic!("unknown argument {k} (--prompts, --max-tokens, --threads, --models)"),
+            _ => panic!(
+                "unknown argument {k} (--prompts, --max-tokens, --threads, --models, --grammar)"
+            ),
         }
     }
     a
@@ -111,14 +123,13 @@ struct Run {
 
 async fn one(
     e: &Engine,
-    prompt: &[i32],
+    req: &GenerateRequest,
     max_tokens: usize,
 ) -> (Vec<i32>, Option<Duration>, usize, usize) {
     let mut rx = e
         .submit(GenerateRequest {
-            prompt: prompt.to_vec(),
             max_tokens,
-            ..Default::default()
+            ..req.clone()
         })
         .expect("submitted");
     let (mut toks, mut first, mut last) = (Vec::new(), None, None);
@@ -142,7 +153,7 @@ async fn one(
 }
 
 /// Runs the prompts in waves of `conc` concurrent sequences.
-async fn run(e: &Engine, prompts: &[Vec<i32>], conc: usize, max_tokens: usize) -> Run {
+async fn run(e: &Engine, prompts: &[GenerateRequest], conc: usize, max_tokens: usize) -> Run {
     let (busy0, total0, mine0) = cpu();
     let t0 = Instant::now();
     let mut r = Run {
@@ -192,19 +203,31 @@ async fn main() {
     let plain = engine(&a, false);
     let spec = engine(&a, true);
     let step = (tasks.len() / a.prompts).max(1);
-    let prompts: Vec<Vec<i32>> = tasks
+    let prompts: Vec<GenerateRequest> = tasks
         .iter()
         .step_by(step)
         .take(a.prompts)
-        .map(|t| plain.tokenize(&t.prompt))
+        .map(|t| {
+            let tools = mesh_tiers::eval::offered_tools(&t.prompt);
+            let grammar = (a.grammar && !tools.is_empty()).then(|| {
+                mesh_tiers::grammar::tool_call_grammar(&tools).expect("grammar for the tools")
+            });
+            GenerateRequest {
+                prompt: plain.tokenize(&t.prompt),
+                grammar_trigger: grammar.as_ref().map(|_| mesh_tiers::chat::CALL.to_owned()),
+                grammar,
+                ..Default::default()
+            }
+        })
         .collect();
     // Warm-up, not measured: the first decodes fault the mmapped weights in from disk.
     for e in [&plain, &spec] {
         run(e, &prompts[..1], 1, a.max_tokens).await;
     }
     println!(
-        "{} held-out prompts, at most {} new tokens, {} llama.cpp threads, loadavg at start {}",
+        "{} held-out prompts ({} with the tool-call grammar), at most {} new tokens, {} llama.cpp threads, loadavg at start {}",
         prompts.len(),
+        prompts.iter().filter(|r| r.grammar.is_some()).count(),
         a.max_tokens,
         a.threads,
         loadavg()

@@ -52,7 +52,7 @@ pub struct EngineConfig {
     /// Prefix KV pages: reuse the KV of prompt prefixes seen before.
     pub kv_pages: KvPagesConfig,
     /// Speculative decoding: a draft model proposes tokens that this engine verifies in one
-    /// batch (greedy requests without a grammar). `draft = "PATH"` is short for
+    /// batch (every request: greedy, sampled and grammar-constrained). `draft = "PATH"` is short for
     /// `[draft] model = "PATH"`; a node config also takes another tier's name.
     #[serde(deserialize_with = "draft_or_path")]
     pub draft: Option<DraftConfig>,

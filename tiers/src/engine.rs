@@ -109,7 +109,7 @@ pub struct ModelInfo {
     pub n_seq_max: usize,
     /// File size in bytes.
     pub size_bytes: u64,
-    /// GGUF of the draft model, when greedy requests are decoded speculatively.
+    /// GGUF of the draft model, when requests are decoded speculatively.
     pub draft: Option<String>,
 }
 
@@ -638,21 +638,21 @@ impl<'m> Loop<'m> {
             for id in pages.pending() {
                 *self.pending.entry(*id).or_default() += 1;
             }
-            // Greedy requests without a grammar are decoded speculatively: verification
-            // then reproduces exactly the tokens plain decoding would choose.
-            let spec = self
-                .draft
-                .as_ref()
-                .filter(|_| p.req.sampling.temperature <= 0.0 && p.req.grammar.is_none())
-                .map(|d| SpecSeq {
-                    out: Vec::new(),
-                    dpos: 0,
-                    k: d.cfg.k_init,
-                    k_step: 0,
-                    drafts: Vec::new(),
-                    drafted: 0,
-                    accepted: 0,
-                });
+            // Every request is decoded speculatively when the tier has a draft. Verification
+            // runs the request's own sampler chain (grammar, sampling) row by row and keeps a
+            // draft only when the chain picks that very token, so the chain sees exactly the
+            // calls plain decoding would make, in the same order: greedy output is identical,
+            // a grammar is enforced on every emitted token, and a seeded sampled request draws
+            // the same random numbers for the same positions.
+            let spec = self.draft.as_ref().map(|d| SpecSeq {
+                out: Vec::new(),
+                dpos: 0,
+                k: d.cfg.k_init,
+                k_step: 0,
+                drafts: Vec::new(),
+                drafted: 0,
+                accepted: 0,
+            });
             self.slots[seq] = Some(Slot {
                 pages,
                 req: p.req,

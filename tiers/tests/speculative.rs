@@ -2,8 +2,8 @@
 //! held-out prompts, one sequence at a time and several in one batch, and the
 //! draft is actually used (some drafted tokens are accepted): in the stand-alone
 //! [`Speculative`] and in the serving engine with a draft model, where stop strings,
-//! `max_tokens`, cancellation and sampled requests in the same loop still behave as
-//! on the target alone.
+//! `max_tokens`, cancellation, a seeded sampled request and a request under the tool-call
+//! grammar (all three drafted too) still behave as on the target alone.
 
 use std::path::PathBuf;
 
@@ -11,6 +11,8 @@ use llama_cpp_2::model::params::LlamaModelParams;
 use llama_cpp_2::model::LlamaModel;
 use std::time::Duration;
 
+use mesh_tiers::chat::CALL;
+use mesh_tiers::grammar::tool_call_grammar;
 use mesh_tiers::speculative::{greedy, SpecConfig, Speculative};
 use mesh_tiers::{
     backend, DraftConfig, Engine, EngineConfig, FinishReason, GenerateRequest, SamplingParams,
@@ -207,10 +209,21 @@ async fn serving_engine_with_a_draft_gives_the_targets_tokens() {
         },
         ..greedy_req(&prompts[0], MAX_TOKENS)
     };
+    // A request offering tools, with the gateway's lazy tool-call grammar.
+    let tasks = mesh_tiers::eval::load_tasks(&models_dir().join("fixtures/eval-heldout.jsonl"))
+        .expect("held-out tasks");
+    let call = tasks.iter().find(|t| t.kind == "call").expect("a call task");
+    let grammar = tool_call_grammar(&mesh_tiers::eval::offered_tools(&call.prompt)).unwrap();
+    let with_grammar = GenerateRequest {
+        grammar: Some(grammar),
+        grammar_trigger: Some(CALL.to_owned()),
+        ..greedy_req(&plain.tokenize(&call.prompt), MAX_TOKENS)
+    };
     let mut reqs: Vec<GenerateRequest> = prompts.iter().map(|p| greedy_req(p, MAX_TOKENS)).collect();
     reqs.push(sampled);
+    reqs.push(with_grammar);
 
-    // 8 greedy sequences and one sampled one, 4 at a time, on each engine.
+    // 8 greedy sequences, a sampled one and one under a grammar, 4 at a time, on each engine.
     let want = all(&plain, reqs.clone()).await;
     let got = all(&spec, reqs).await;
     let (mut drafted, mut accepted) = (0, 0);
@@ -222,12 +235,12 @@ async fn serving_engine_with_a_draft_gives_the_targets_tokens() {
         drafted += g.usage.draft_tokens;
         accepted += g.usage.draft_accepted;
     }
-    let sampled_usage = got.last().unwrap().usage;
-    assert_eq!(
-        sampled_usage.draft_tokens, 0,
-        "a sampled request decodes without drafts"
+    let called = &got.last().expect("the grammar request").text;
+    assert!(called.contains(CALL), "the grammar request made a call: {called}");
+    assert!(
+        got.iter().all(|o| o.usage.draft_tokens > 0),
+        "every request drafted, the sampled and the grammar one included"
     );
-    assert!(got[..8].iter().all(|o| o.usage.draft_tokens > 0), "every greedy request drafted");
     assert!(
         accepted * 2 > drafted,
         "t1 drafts should mostly be accepted: {accepted}/{drafted}"
