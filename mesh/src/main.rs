@@ -27,6 +27,26 @@ enum Cmd {
     Cert(CertCmd),
     /// Print this host's CPU/memory topology and the tier placement a node would use.
     Topology(TopologyArgs),
+    /// Write another GGUF variant of a tier's model (llama.cpp quantization), for the
+    /// quantization policy. The bundled tiers are q8_0, so this requantizes them.
+    Quantize(QuantizeArgs),
+}
+
+#[derive(clap::Args, Debug)]
+struct QuantizeArgs {
+    /// Input GGUF, e.g. models/t3-q8_0.gguf.
+    #[arg(long)]
+    model: PathBuf,
+    /// Weight type: f16, q8_0, q6_k, q5_0, q5_k_m, q4_0, q4_k_m.
+    #[arg(long = "type", value_name = "TYPE")]
+    ty: String,
+    /// Output file (default: <tier>-<type>.gguf next to the input, where <tier> is the
+    /// input's name up to its first `-`; the quantization policy looks there).
+    #[arg(long)]
+    out: Option<PathBuf>,
+    /// Threads (0: all cores).
+    #[arg(long, default_value_t = 0)]
+    threads: i32,
 }
 
 #[derive(clap::Args, Debug)]
@@ -330,6 +350,41 @@ fn topology(a: &TopologyArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
+fn quantize(a: &QuantizeArgs) -> anyhow::Result<()> {
+    use mesh_tiers::quantize::{self, WeightType};
+    let ty = WeightType::parse(&a.ty)?;
+    let out = match &a.out {
+        Some(o) => o.clone(),
+        None => {
+            let stem = a
+                .model
+                .file_stem()
+                .map(|s| s.to_string_lossy().into_owned())
+                .unwrap_or_default();
+            let tier = stem.split('-').next().unwrap_or(&stem);
+            anyhow::ensure!(
+                !tier.is_empty(),
+                "cannot name the output after {}; pass --out",
+                a.model.display()
+            );
+            quantize::variant_path(&a.model, tier, ty.as_str())
+        }
+    };
+    let t0 = std::time::Instant::now();
+    quantize::quantize(&a.model, &out, ty, a.threads)?;
+    let size = |p: &std::path::Path| std::fs::metadata(p).map_or(0, |m| m.len());
+    println!(
+        "{} ({:.1} MiB) -> {} ({}, {:.1} MiB) in {:.1} s",
+        a.model.display(),
+        size(&a.model) as f64 / (1 << 20) as f64,
+        out.display(),
+        ty.as_str(),
+        size(&out) as f64 / (1 << 20) as f64,
+        t0.elapsed().as_secs_f64()
+    );
+    Ok(())
+}
+
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
@@ -356,6 +411,7 @@ async fn main() -> anyhow::Result<()> {
         }
         Cmd::Status(a) => status(&a).await,
         Cmd::Topology(a) => topology(&a),
+        Cmd::Quantize(a) => quantize(&a),
         Cmd::Join(a) => run_node(join_config(&a)?).await,
         Cmd::Up(a) => {
             let cfg = node_config(&a)?;

@@ -21,7 +21,8 @@
 //! [`plan`] (what goes into the next batch), [`stop`] (stop strings),
 //! [`chat`] (prompt rendering and output parsing for the bundled chat format),
 //! [`cascade`] (when a tier's answer is kept or escalated; the reasoning budget).
-//! [`actor`] wraps an engine in a supervised ractor actor.
+//! [`actor`] wraps an engine in a supervised ractor actor; [`quantize`] makes other GGUF
+//! variants of a tier's model.
 //!
 //! Caveat: llama.cpp's backend is process-global; [`backend`] initialises it
 //! once.
@@ -36,6 +37,7 @@ pub mod eval;
 pub mod grammar;
 pub mod kvcache;
 pub mod plan;
+pub mod quantize;
 mod request;
 pub mod speculative;
 pub mod stop;
