@@ -600,8 +600,9 @@ impl<'m> Loop<'m> {
             if self.reserved + p.reserve > self.n_ctx {
                 break;
             }
-            // A request whose next uncached page is being prefilled by a running sequence
-            // waits for it to be published instead of computing the same prefix again;
+            // A request whose next uncached pages are being prefilled by a running sequence
+            // waits for them to be published instead of computing the same prefix again,
+            // when they are at least half of its remaining prompt (`worth_waiting`);
             // requests behind it may go first.
             if let Some(kv) = &mut self.kv {
                 if kv.waits_for(&p.req.prompt, &p.req.cache_scope, &self.pending) {

@@ -210,8 +210,8 @@ impl KvCache {
         plan
     }
 
-    /// Whether the first page of `prompt` that is not stored is about to be published by a
-    /// running sequence (`pending`): the request should wait rather than recompute it.
+    /// Whether the request should wait for pages a running sequence is about to publish
+    /// (`pending`) rather than compute them itself: see [`worth_waiting`].
     pub fn waits_for(
         &mut self,
         prompt: &[i32],
@@ -223,10 +223,13 @@ impl KvCache {
         }
         let salt = self.salt(scope);
         let usable = prompt.len().saturating_sub(1) / self.block * self.block;
-        chain(&salt, &prompt[..usable], self.block)
-            .into_iter()
-            .find(|id| !self.store.contains(id))
-            .is_some_and(|id| pending.contains_key(&id))
+        let ids = chain(&salt, &prompt[..usable], self.block);
+        let stored = ids.iter().take_while(|id| self.store.contains(id)).count();
+        let coming = ids[stored..]
+            .iter()
+            .take_while(|id| pending.contains_key(*id))
+            .count();
+        worth_waiting(prompt.len(), stored * self.block, coming * self.block)
     }
 
     /// Publishes the prompt's full blocks not stored yet (call once the prompt is prefilled).
@@ -271,5 +274,35 @@ impl KvCache {
     /// Tokens per page.
     pub fn block(&self) -> usize {
         self.block
+    }
+}
+
+/// Whether a request whose prompt has `prompt_len` tokens, `stored` of them restorable now,
+/// should wait for the next `coming` tokens' pages that a running sequence is prefilling.
+/// Waiting saves computing `coming` tokens and costs the time until that sequence's prompt
+/// is done, while the request could have started now. It waits only when the pages cover at
+/// least half of what it would otherwise prefill: agents sharing a long system prompt and
+/// tool schemas wait (the prefix is computed once); prompts that share a short head (a
+/// system line, the start of a template) start at once, as on a server without pages.
+pub fn worth_waiting(prompt_len: usize, stored: usize, coming: usize) -> bool {
+    let remaining = prompt_len.saturating_sub(stored);
+    coming > 0 && 2 * coming >= remaining
+}
+
+#[cfg(test)]
+mod tests {
+    use super::worth_waiting;
+
+    #[test]
+    fn waits_only_for_a_substantial_share_of_the_prompt() {
+        // 16 agents: 1,536 shared tokens being prefilled, 64 of their own.
+        assert!(worth_waiting(1600, 0, 1536));
+        // A short shared head (one 32-token page of a 448-token prompt): start now.
+        assert!(!worth_waiting(448, 0, 32));
+        // Half of what is left is exactly worth it.
+        assert!(worth_waiting(512, 256, 128));
+        assert!(!worth_waiting(512, 256, 96));
+        // Nothing coming: never wait.
+        assert!(!worth_waiting(100, 0, 0));
     }
 }
