@@ -1,7 +1,9 @@
 //! The policy the tuner turns and the state file that keeps it.
 //!
 //! A [`Policy`] holds the knobs other actors read per request: the cascade thresholds,
-//! the reasoning budget and the tool router's top-k. Each knob the tuner may touch is
+//! the reasoning budget, the tool router's top-k, and the quantization policy
+//! ([`QuantPolicy`]: which GGUF variant and KV cache type each tier runs per request
+//! [`Role`]). Each knob the tuner may touch is
 //! declared in [`knobs`] with bounds and a step; [`Policy::set`] refuses values outside
 //! them.
 //!
@@ -12,10 +14,12 @@
 //! byte for byte as it was; they are appended to a journal next to it
 //! (`<file>.decisions.jsonl`) so that every decision is kept.
 
+use std::collections::BTreeMap;
 use std::io::Write as _;
 use std::path::{Path, PathBuf};
 
 use mesh_tiers::cascade::{CascadePolicy, ReasoningPolicy};
+use mesh_tiers::KvType;
 use serde::{Deserialize, Serialize};
 
 use crate::gate::{TestResult, Verdict};
@@ -31,6 +35,10 @@ pub struct Policy {
     pub reasoning: ReasoningPolicy,
     /// Tools the router keeps in a routed prompt.
     pub router_top_k: usize,
+    /// Weights and KV cache type per role and tier; empty (the default) runs every tier
+    /// as configured. Left out of the file while empty, so older files read the same.
+    #[serde(skip_serializing_if = "QuantPolicy::is_default")]
+    pub quantization: QuantPolicy,
 }
 
 impl Default for Policy {
@@ -39,7 +47,187 @@ impl Default for Policy {
             cascade: CascadePolicy::default(),
             reasoning: ReasoningPolicy::default(),
             router_top_k: crate::RouterConfig::default().top_k,
+            quantization: QuantPolicy::default(),
         }
+    }
+}
+
+/// What a chat request is for, as the quantization policy tells requests apart.
+///
+/// [`Role::classify`]: a request that shows the model tools (tools offered and
+/// `tool_choice` not `none`) is `tool_calls`, whatever else it asks; otherwise one that
+/// asks for thinking (`reasoning_budget` above 0) is `reasoning`; everything else
+/// (answers, summaries, raw completions) is `summaries`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Role {
+    /// The prompt shows tools: the answer is likely a call.
+    ToolCalls,
+    /// The client asked for a thinking budget.
+    Reasoning,
+    /// Everything else.
+    Summaries,
+}
+
+impl Role {
+    /// Every role.
+    pub const ALL: [Role; 3] = [Role::ToolCalls, Role::Reasoning, Role::Summaries];
+
+    /// The role of a request: `tools_shown` is whether its prompt shows tools,
+    /// `reasoning_budget` the thinking budget the client set (not the node's default).
+    pub fn classify(tools_shown: bool, reasoning_budget: Option<usize>) -> Self {
+        if tools_shown {
+            Role::ToolCalls
+        } else if reasoning_budget.is_some_and(|b| b > 0) {
+            Role::Reasoning
+        } else {
+            Role::Summaries
+        }
+    }
+
+    /// The name in the policy file and in metrics (`tool_calls`).
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Role::ToolCalls => "tool_calls",
+            Role::Reasoning => "reasoning",
+            Role::Summaries => "summaries",
+        }
+    }
+}
+
+/// Which engine serves each role on each tier: per role, a map from tier name to
+/// [`TierQuant`]. A tier a role does not name runs as configured.
+///
+/// ```json
+/// "quantization": {"tool_calls": {"t1": {"gguf": "q4_0", "kv": "q8_0"}},
+///                  "summaries":  {"t3": {"kv": "q4_0"}}}
+/// ```
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct QuantPolicy {
+    /// Requests whose prompt shows tools.
+    #[serde(skip_serializing_if = "BTreeMap::is_empty")]
+    pub tool_calls: BTreeMap<String, TierQuant>,
+    /// Requests with a thinking budget.
+    #[serde(skip_serializing_if = "BTreeMap::is_empty")]
+    pub reasoning: BTreeMap<String, TierQuant>,
+    /// Everything else.
+    #[serde(skip_serializing_if = "BTreeMap::is_empty")]
+    pub summaries: BTreeMap<String, TierQuant>,
+}
+
+/// The engine of one tier for one role.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct TierQuant {
+    /// GGUF variant: a type name (`q4_0`: the file `<tier>-q4_0.gguf` next to the tier's
+    /// configured model, made by `mesh quantize`) or a path ending in `.gguf`. None: the
+    /// configured model.
+    pub gguf: Option<String>,
+    /// KV cache type (`f16`, `q8_0`, `q4_0`). None: the tier's configured `kv_type`.
+    pub kv: Option<KvType>,
+}
+
+impl TierQuant {
+    /// Whether `gguf` names a file path rather than a variant.
+    pub fn gguf_is_path(gguf: &str) -> bool {
+        gguf.ends_with(".gguf") || gguf.contains('/')
+    }
+}
+
+impl QuantPolicy {
+    /// No entry: every tier as configured.
+    pub fn is_default(&self) -> bool {
+        Role::ALL.iter().all(|r| self.role(*r).is_empty())
+    }
+
+    /// The tier map of one role.
+    pub fn role(&self, role: Role) -> &BTreeMap<String, TierQuant> {
+        match role {
+            Role::ToolCalls => &self.tool_calls,
+            Role::Reasoning => &self.reasoning,
+            Role::Summaries => &self.summaries,
+        }
+    }
+
+    /// The entry for `tier` serving `role`, if the policy sets one.
+    pub fn get(&self, role: Role, tier: &str) -> Option<&TierQuant> {
+        let m = self.role(role);
+        if m.is_empty() {
+            return None;
+        }
+        m.get(tier)
+    }
+
+    /// Every `(role, tier, entry)`.
+    pub fn entries(&self) -> impl Iterator<Item = (Role, &String, &TierQuant)> {
+        Role::ALL
+            .into_iter()
+            .flat_map(move |r| self.role(r).iter().map(move |(t, q)| (r, t, q)))
+    }
+
+    /// Checks what needs no file system: each entry sets something, and a variant name is
+    /// a plain name (`q4_0`, letters, digits, `_`) when it is not a `.gguf` path. Whether
+    /// the tier and the file exist is the node's check. The error names the entry
+    /// (`quantization.tool_calls.t1.gguf`).
+    pub fn validate(&self) -> Result<(), (String, String)> {
+        for (role, tier, q) in self.entries() {
+            let at = format!("quantization.{}.{tier}", role.as_str());
+            if q.gguf.is_none() && q.kv.is_none() {
+                return Err((format!("{at}: set `gguf`, `kv` or both"), at));
+            }
+            if let Some(g) = &q.gguf {
+                let plain = !g.is_empty()
+                    && g.chars()
+                        .all(|c| c.is_ascii_alphanumeric() || c == '_' || c == '-');
+                if !TierQuant::gguf_is_path(g) && !plain {
+                    return Err((
+                        format!(
+                            "{at}.gguf: `{g}` is neither a variant name (q4_0) nor a .gguf path"
+                        ),
+                        format!("{at}.gguf"),
+                    ));
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// `role.tier: before -> after` for every entry that differs between the two.
+    pub fn diff(&self, next: &QuantPolicy) -> Vec<String> {
+        let show = |q: Option<&TierQuant>| match q {
+            None => "as configured".to_owned(),
+            Some(q) => format!(
+                "gguf {} kv {}",
+                q.gguf.as_deref().unwrap_or("configured"),
+                q.kv.map_or("configured", |k| kv_name(k))
+            ),
+        };
+        let mut out = vec![];
+        for role in Role::ALL {
+            let (a, b) = (self.role(role), next.role(role));
+            let tiers: std::collections::BTreeSet<&String> = a.keys().chain(b.keys()).collect();
+            for t in tiers {
+                if a.get(t) != b.get(t) {
+                    out.push(format!(
+                        "{}.{t}: {} -> {}",
+                        role.as_str(),
+                        show(a.get(t)),
+                        show(b.get(t))
+                    ));
+                }
+            }
+        }
+        out
+    }
+}
+
+/// The name of a KV cache type as the config writes it.
+pub fn kv_name(k: KvType) -> &'static str {
+    match k {
+        KvType::F16 => "f16",
+        KvType::Q8_0 => "q8_0",
+        KvType::Q4_0 => "q4_0",
     }
 }
 
@@ -257,6 +445,31 @@ impl PolicyState {
     }
 }
 
+impl PolicyState {
+    /// Puts an operator's whole `policy` in force: bumps the version, adds `d` (its
+    /// verdict set to accept, its version to the new one) to the history and the journal,
+    /// and writes the file when there is one. On a write error `self` is unchanged.
+    pub fn replace(
+        &mut self,
+        policy: Policy,
+        mut d: Decision,
+        path: Option<&Path>,
+    ) -> Result<(), ControlError> {
+        let mut next = self.clone();
+        next.policy = policy;
+        next.version += 1;
+        d.verdict = Verdict::Accept;
+        d.version = next.version;
+        next.history.push(d.clone());
+        if let Some(p) = path {
+            next.save(p)?;
+            append_journal(&journal_path(p), &d)?;
+        }
+        *self = next;
+        Ok(())
+    }
+}
+
 fn temp_path(path: &Path) -> PathBuf {
     let mut name = path.file_name().unwrap_or_default().to_os_string();
     name.push(format!(".tmp.{}", std::process::id()));
@@ -337,7 +550,11 @@ mod tests {
         }
         p.set("cascade.min_margin[1]", 0.5).unwrap();
         assert_eq!(p.cascade.margin_for(1), 0.5);
-        assert_eq!(p.cascade.margin_for(0), 1.0, "the other tier untouched");
+        assert_eq!(
+            p.cascade.margin_for(0),
+            CascadePolicy::default().margin_for(0),
+            "the other tier untouched"
+        );
         p.set("reasoning.default_budget", 64.0).unwrap();
         assert_eq!(p.reasoning.budget(None, None), Some(64));
         p.set("router_top_k", 7.0).unwrap();
@@ -416,6 +633,104 @@ mod tests {
             .filter(|e| e.file_name().to_string_lossy().contains(".tmp."))
             .collect();
         assert!(leftovers.is_empty(), "no temp file left behind");
+    }
+
+    #[test]
+    fn roles_classify_tools_first_then_a_thinking_budget() {
+        assert_eq!(Role::classify(true, None), Role::ToolCalls);
+        assert_eq!(Role::classify(true, Some(256)), Role::ToolCalls);
+        assert_eq!(Role::classify(false, Some(256)), Role::Reasoning);
+        assert_eq!(Role::classify(false, Some(0)), Role::Summaries);
+        assert_eq!(Role::classify(false, None), Role::Summaries);
+    }
+
+    #[test]
+    fn quantization_policy_parses_validates_and_defaults_to_nothing() {
+        let p: Policy = serde_json::from_value(serde_json::json!({"quantization": {
+            "tool_calls": {"t1": {"gguf": "q4_0", "kv": "q8_0"}},
+            "summaries": {"t3": {"kv": "q4_0"}}}}))
+        .unwrap();
+        let q = &p.quantization;
+        assert_eq!(q.validate(), Ok(()));
+        let t1 = q.get(Role::ToolCalls, "t1").unwrap();
+        assert_eq!(
+            (t1.gguf.as_deref(), t1.kv),
+            (Some("q4_0"), Some(KvType::Q8_0))
+        );
+        assert_eq!(q.get(Role::Reasoning, "t1"), None);
+        assert_eq!(q.get(Role::Summaries, "t3").unwrap().gguf, None);
+        assert_eq!(q.entries().count(), 2);
+        assert_eq!(
+            Policy::default().quantization.diff(q),
+            vec![
+                "tool_calls.t1: as configured -> gguf q4_0 kv q8_0",
+                "summaries.t3: as configured -> gguf configured kv q4_0"
+            ]
+        );
+
+        // The default policy writes no quantization section: older files stay the same.
+        let text = serde_json::to_string(&Policy::default()).unwrap();
+        assert!(!text.contains("quantization"), "{text}");
+        assert!(Policy::default().quantization.is_default());
+
+        let bad = |v: serde_json::Value| {
+            serde_json::from_value::<Policy>(serde_json::json!({ "quantization": v }))
+        };
+        assert!(
+            bad(serde_json::json!({"coding": {}})).is_err(),
+            "unknown role"
+        );
+        assert!(bad(serde_json::json!({"tool_calls": {"t1": {"kv": "q2"}}})).is_err());
+        assert!(bad(serde_json::json!({"tool_calls": {"t1": {"bits": 4}}})).is_err());
+        let (msg, at) = bad(serde_json::json!({"reasoning": {"t2": {}}}))
+            .unwrap()
+            .quantization
+            .validate()
+            .unwrap_err();
+        assert_eq!(at, "quantization.reasoning.t2");
+        assert!(msg.contains("set `gguf`"), "{msg}");
+        let (_, at) = bad(serde_json::json!({"tool_calls": {"t1": {"gguf": "q4 0"}}}))
+            .unwrap()
+            .quantization
+            .validate()
+            .unwrap_err();
+        assert_eq!(at, "quantization.tool_calls.t1.gguf");
+        assert_eq!(
+            bad(serde_json::json!({"tool_calls": {"t1": {"gguf": "/x/t1-q4_0.gguf"}}}))
+                .unwrap()
+                .quantization
+                .validate(),
+            Ok(())
+        );
+    }
+
+    #[test]
+    fn a_replaced_policy_is_a_new_version_with_history() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("policy.json");
+        let mut s = PolicyState::new(Policy::default());
+        s.save(&path).unwrap();
+        let mut p = Policy::default();
+        p.quantization.tool_calls.insert(
+            "t1".into(),
+            TierQuant {
+                gguf: Some("q4_0".into()),
+                kv: None,
+            },
+        );
+        s.replace(
+            p.clone(),
+            decision(Verdict::Reject, "quantization", 0.0, 1.0),
+            Some(&path),
+        )
+        .unwrap();
+        let back = PolicyState::load(&path).unwrap().unwrap();
+        assert_eq!(back, s);
+        assert_eq!((back.version, back.policy), (1, p));
+        assert_eq!(back.history[0].verdict, Verdict::Accept);
+        assert_eq!(back.history[0].version, 1);
+        let journal = std::fs::read_to_string(journal_path(&path)).unwrap();
+        assert_eq!(journal.lines().count(), 1);
     }
 
     #[test]

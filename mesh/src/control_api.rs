@@ -1,6 +1,6 @@
 //! The tuner on a live node: the policy snapshot every request reads, one tuning cycle on
-//! demand (`POST /v1/control/tune`) and the policy with its decisions
-//! (`GET /v1/control/policy`).
+//! demand (`POST /v1/control/tune`), the policy with its decisions
+//! (`GET /v1/control/policy`), and an operator's policy reload (`PUT /v1/control/policy`).
 //!
 //! **Live policy.** [`LivePolicy`] holds an `Arc<Snapshot>` behind a `RwLock` that is
 //! only held to copy or swap the pointer. A request takes the snapshot once when it
@@ -22,6 +22,15 @@
 //!    file (atomically) and then swapped into the live snapshot: 200; rejected or reverted
 //!    ones leave the policy and the file as they were: 422 with the gate's reason and
 //!    statistics. Every decision is journaled (`<state_file>.decisions.jsonl`).
+//!
+//! **A reload** (`PUT /v1/control/policy`, [`put_policy`]): the body's sections replace the
+//! current ones (sections left out stay); the result is checked like a state file at start
+//! (cascade, top-k, and every quantization entry: tier hosted here, GGUF present), 400 with
+//! the reason and the entry otherwise; the engines it needs are started (an engine that
+//! fails to load: 422, nothing changed); the file is written as the next version with the
+//! change in its history; then the snapshot is swapped and engines no longer named drain
+//! and stop ([`crate::engines`]). A reload waits for no tuning cycle: while one runs it
+//! is 409.
 //!
 //! Probe requests are real: they use engine slots next to live traffic and show in the
 //! token and cascade metrics (not in `mesh_http_requests_total`).
@@ -187,6 +196,17 @@ impl Tuner {
         Ok(t)
     }
 
+    /// Keeps `d` in this run's list of decisions (the last [`SHOWN_DECISIONS`]).
+    fn remember(&self, d: &Decision) {
+        let mut all = self
+            .decisions
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        all.push(d.clone());
+        let skip = all.len().saturating_sub(SHOWN_DECISIONS);
+        all.drain(..skip);
+    }
+
     fn journal(&self) -> Vec<Decision> {
         let from_file = self
             .settings
@@ -217,6 +237,7 @@ pub fn start_policy(g: &GatewaySettings) -> Policy {
         cascade: g.cascade.clone(),
         reasoning: g.reasoning.clone(),
         router_top_k: g.tool_routing.router.top_k,
+        ..Policy::default()
     }
 }
 
@@ -225,14 +246,14 @@ fn check_policy(p: &Policy) -> Result<(), String> {
     if p.router_top_k == 0 {
         return Err("router_top_k must be at least 1".into());
     }
-    Ok(())
+    p.quantization.validate().map_err(|(msg, _)| msg)
 }
 
 /// The tuner's routes (merged into [`gateway::router`]).
 pub(crate) fn routes() -> Router<AppState> {
     Router::new()
         .route("/v1/control/tune", post(tune))
-        .route("/v1/control/policy", get(show_policy))
+        .route("/v1/control/policy", get(show_policy).put(put_policy))
 }
 
 // ---------------------------------------------------------------------------
@@ -439,15 +460,7 @@ async fn tune(State(state): State<AppState>, body: Bytes) -> Response {
     }
     tracing::info!(rule = %d.rule, knob = %d.knob, before = d.before, after = d.after,
         verdict = ?d.verdict, reason = %d.reason, version = d.version, "tuner decision");
-    {
-        let mut all = tuner
-            .decisions
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner);
-        all.push(d.clone());
-        let skip = all.len().saturating_sub(SHOWN_DECISIONS);
-        all.drain(..skip);
-    }
+    tuner.remember(&d);
     let trial = json!({"tasks": tasks.len(), "model": probe.model, "seconds": trial_s});
     if d.verdict == Verdict::Accept {
         Json(json!({
@@ -507,7 +520,121 @@ async fn show_policy(State(state): State<AppState>) -> Json<Value> {
         "state_file": file,
         "journal": file.map(policy::journal_path),
         "enabled": tuner.settings.enabled,
+        "engines": state.engines().list(state.registry()),
     }))
+}
+
+/// `PUT /v1/control/policy`: the body's top-level sections (`cascade`, `reasoning`,
+/// `router_top_k`, `quantization`) replace the current ones; see the module docs.
+async fn put_policy(State(state): State<AppState>, body: Bytes) -> Response {
+    let tuner = state.tuner().clone();
+    let Ok(mut cy) = tuner.cycle.try_lock() else {
+        return error(
+            StatusCode::CONFLICT,
+            "tuning_in_progress",
+            "a tuning cycle or another reload is running on this node; retry when it ends".into(),
+            None,
+        );
+    };
+    let before = cy.state.policy.clone();
+    let next = match merged_policy(&before, &body) {
+        Ok(p) => p,
+        Err(msg) => return bad_request(msg, None),
+    };
+    if let Err(e) = check_policy(&next) {
+        return bad_request(e, None);
+    }
+    let engines = state.engines().clone();
+    let wanted = match engines.resolve(&next.quantization) {
+        Ok(w) => w,
+        Err((msg, param)) => return bad_request(msg, Some(&param)),
+    };
+    if let Err(e) = engines.start(&wanted).await {
+        return error(
+            StatusCode::UNPROCESSABLE_ENTITY,
+            "engine_start_failed",
+            format!("the policy needs an engine that could not start: {e}"),
+            Some("quantization"),
+        );
+    }
+    let mut changed: Vec<&str> = vec![];
+    if next.cascade != before.cascade {
+        changed.push("cascade");
+    }
+    if next.reasoning != before.reasoning {
+        changed.push("reasoning");
+    }
+    if next.router_top_k != before.router_top_k {
+        changed.push("router_top_k");
+    }
+    if next.quantization != before.quantization {
+        changed.push("quantization");
+    }
+    let (at_ms, at) = policy::now();
+    let version = cy.state.version;
+    let d = Decision {
+        at_ms,
+        at,
+        rule: "operator".into(),
+        rationale: match before.quantization.diff(&next.quantization) {
+            q if q.is_empty() => "policy replaced through PUT /v1/control/policy".into(),
+            q => format!("quantization: {}", q.join("; ")),
+        },
+        knob: if changed.is_empty() {
+            "none".into()
+        } else {
+            changed.join(",")
+        },
+        before: version as f64,
+        after: (version + 1) as f64,
+        objective: "none".into(),
+        verdict: Verdict::Accept,
+        reason: "PUT /v1/control/policy (no trial)".into(),
+        version,
+        tests: vec![],
+    };
+    if let Err(e) = cy
+        .state
+        .replace(next, d.clone(), tuner.settings.state_file.as_deref())
+    {
+        // The policy stays; engines started for the refused one go again.
+        if let Ok(old) = engines.resolve(&before.quantization) {
+            engines.retire_unused(&old);
+        }
+        return error(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            "server_error",
+            format!("writing the policy state file: {e}"),
+            None,
+        );
+    }
+    tuner.live.store(Snapshot::of(&cy.state));
+    engines.retire_unused(&wanted);
+    let d = cy.state.history.last().cloned().unwrap_or(d);
+    tracing::info!(version = cy.state.version, changed = %d.knob, rationale = %d.rationale, "policy reloaded");
+    tuner.remember(&d);
+    Json(json!({
+        "version": cy.state.version,
+        "policy": cy.state.policy,
+        "decision": d,
+        "engines": engines.list(state.registry()),
+    }))
+    .into_response()
+}
+
+/// `current` with the top-level sections of the JSON object `body` in place of its own.
+fn merged_policy(current: &Policy, body: &[u8]) -> Result<Policy, String> {
+    let patch: Value =
+        serde_json::from_slice(body).map_err(|e| format!("invalid request body: {e}"))?;
+    let Value::Object(patch) = patch else {
+        return Err("the body must be a JSON object of policy sections".into());
+    };
+    let mut v = serde_json::to_value(current).map_err(|e| e.to_string())?;
+    let obj = v.as_object_mut().expect("a policy serializes to an object");
+    for (k, x) in patch {
+        obj.insert(k, x);
+    }
+    serde_json::from_value(v).map_err(|e| format!("invalid policy: {e}"))
 }
 
 // ---------------------------------------------------------------------------
@@ -923,6 +1050,37 @@ mesh_reasoning_tokens_total{model="t1"} 900
             (32.0, 0.0, "manual")
         );
         assert_eq!(ok.objective.name, "accuracy");
+    }
+
+    #[test]
+    fn a_reload_body_replaces_the_sections_it_names() {
+        let mut cur = Policy::default();
+        cur.set("router_top_k", 7.0).unwrap();
+        let next = merged_policy(
+            &cur,
+            br#"{"quantization": {"tool_calls": {"t1": {"gguf": "q4_0", "kv": "q8_0"}}}}"#,
+        )
+        .unwrap();
+        assert_eq!(next.router_top_k, 7, "a section left out stays");
+        assert_eq!(next.cascade, cur.cascade);
+        let q = next
+            .quantization
+            .get(mesh_control::policy::Role::ToolCalls, "t1")
+            .unwrap();
+        assert_eq!(q.gguf.as_deref(), Some("q4_0"));
+        let back = merged_policy(&next, br#"{"quantization": {}}"#).unwrap();
+        assert!(back.quantization.is_default(), "an empty section clears it");
+        assert!(merged_policy(&cur, b"[1]")
+            .unwrap_err()
+            .contains("JSON object"));
+        assert!(merged_policy(&cur, br#"{"quantisation": {}}"#)
+            .unwrap_err()
+            .contains("unknown field"));
+        assert!(merged_policy(
+            &cur,
+            br#"{"quantization": {"tool_calls": {"t1": {"kv": "q2"}}}}"#
+        )
+        .is_err());
     }
 
     #[test]

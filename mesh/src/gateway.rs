@@ -4,8 +4,9 @@
 //! `GET /v1/models`, `GET /v1/cluster`, `GET /health`, `GET /ready`, `GET /metrics`,
 //! and the agent layer's `POST /v1/agent/tasks` and `GET /v1/tools` ([`crate::agent`]), and
 //! the tuner's `POST /v1/control/tune` and `GET /v1/control/policy` ([`crate::control_api`]).
-//! Every request reads the live policy (cascade, reasoning budget, router top-k) once, when
-//! it starts.
+//! Every request reads the live policy (cascade, reasoning budget, router top-k,
+//! quantization) once, when it starts. On a local tier the quantization policy picks the
+//! engine for the request's role ([`crate::engines`]).
 //!
 //! Request path: parse and validate the body (400 with a reason) → pick the
 //! node hosting the tier, local or a peer (404 `model_not_found`, 503 if none is up) → take a concurrency permit (429 with
@@ -25,6 +26,7 @@ use axum::response::sse::{Event, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
+use mesh_control::policy::Role as RequestRole;
 use mesh_control::{Embedder, Tool, ToolRouter};
 use mesh_tiers::cascade::{self, CascadePolicy, ReasoningPolicy, Verdict};
 use mesh_tiers::chat::{self, ChatMessage, Role, ToolCall, ToolSpec};
@@ -36,7 +38,7 @@ use tokio_stream::wrappers::ReceiverStream;
 use tracing::{info_span, warn, Instrument};
 
 use crate::config::ToolRouting;
-use crate::metrics::{CascadeLabel, Metrics, RequestLabel, RoutingLabel};
+use crate::metrics::{CascadeLabel, EngineLabel, Metrics, RequestLabel, RoutingLabel};
 use crate::node::Registry;
 use crate::openai::*;
 use crate::remote::{Dispatcher, RouteError, StartError, Target};
@@ -80,6 +82,7 @@ pub struct AppState {
     tool_gate: Arc<ToolGate>,
     agent: Option<Arc<crate::agent::Agent>>,
     tuner: Arc<crate::control_api::Tuner>,
+    engines: Arc<crate::engines::Engines>,
 }
 
 impl AppState {
@@ -101,6 +104,39 @@ impl AppState {
             settings: Arc::new(settings),
             tool_gate: Arc::default(),
             agent: None,
+            engines: Arc::new(crate::engines::Engines::none()),
+        }
+    }
+
+    /// Picks local engines per request role through `engines` (quantization policy).
+    pub fn with_engines(mut self, engines: Arc<crate::engines::Engines>) -> Self {
+        self.engines = engines;
+        self
+    }
+
+    pub(crate) fn engines(&self) -> &Arc<crate::engines::Engines> {
+        &self.engines
+    }
+
+    pub(crate) fn registry(&self) -> &Registry {
+        &self.registry
+    }
+
+    /// The engine a request of `role` runs on: for a local tier, the one the quantization
+    /// policy names (or the tier's own); a peer's tier as it is.
+    fn engine_for(
+        &self,
+        target: Target,
+        tier: &str,
+        role: RequestRole,
+        q: &mesh_control::policy::QuantPolicy,
+    ) -> (Target, Option<EngineInfo>, Option<Arc<()>>) {
+        match target {
+            Target::Local(entry) => {
+                let p = self.engines.pick(q, role, tier, entry);
+                (Target::Local(p.entry), Some(p.info), p.lease)
+            }
+            remote => (remote, None, None),
         }
     }
 
@@ -316,6 +352,10 @@ struct Job {
     /// The concurrency permit, held until the response ends (a cascade holds one for
     /// all its steps).
     _permit: Option<OwnedSemaphorePermit>,
+    /// The local engine that runs it, when local.
+    engine: Option<EngineInfo>,
+    /// Keeps a variant engine from being stopped until the response ends.
+    _lease: Option<Arc<()>>,
 }
 
 impl AppState {
@@ -547,6 +587,18 @@ async fn submit(
             .metrics
             .reasoning_budgeted
             .get_or_create(&Metrics::model(&job.model))
+            .inc();
+    }
+    if let Some(e) = &job.engine {
+        state
+            .metrics
+            .engine_requests
+            .get_or_create(&EngineLabel {
+                model: job.model.clone(),
+                gguf: e.gguf.clone(),
+                kv_type: e.kv_type.clone(),
+                role: e.role.clone(),
+            })
             .inc();
     }
     state
@@ -960,11 +1012,15 @@ pub(crate) async fn chat_with(
             .route_prompt(&r.model, &prompt, &p.scope, true)
             .unwrap_or(tier);
         tracing::Span::current().record("gen_ai.usage.input_tokens", prompt.len());
+        let role = RequestRole::classify(!p.shown.is_empty(), r.reasoning_budget);
+        let (tier, engine, lease) = state.engine_for(tier, &r.model, role, &policy.quantization);
         let req = build_request(state, &r, &p, prompt, tier.max_seq_len(), &policy.reasoning)?;
         let job = Job {
             model: r.model.clone(),
             req,
             _permit: Some(permit),
+            engine,
+            _lease: lease,
         };
         let rx = submit(state, tier, &job)
             .instrument(info_span!("tier.submit"))
@@ -991,6 +1047,7 @@ pub(crate) async fn chat_with(
                 cascade: vec![],
                 router: routed,
                 speculative: c.speculative,
+                engine: job.engine.clone(),
             };
             Ok(Json(chat_body(&job.model, &c.text, c.finish, c.usage, &mesh)).into_response())
         }
@@ -1131,6 +1188,7 @@ async fn cascade_chat(
         .await?;
     tracing::Span::current().record("gen_ai.usage.input_tokens", prompt.len());
     let offered: Vec<&str> = p.shown.iter().map(|t| t.name.as_str()).collect();
+    let role = RequestRole::classify(!p.shown.is_empty(), r.reasoning_budget);
     let (start, skipped) = cascade::first_tier(policy, p.confidence);
     let mut steps: Vec<CascadeStep> = Vec::new();
     if let Some(v) = skipped {
@@ -1171,6 +1229,7 @@ async fn cascade_chat(
                 continue;
             }
         };
+        let (target, engine, lease) = state.engine_for(target, tier, role, &live.quantization);
         let req = build_request(
             state,
             r,
@@ -1183,6 +1242,8 @@ async fn cascade_chat(
             model: tier.clone(),
             req,
             _permit: None,
+            engine,
+            _lease: lease,
         };
         let c = async {
             let rx = submit(state, target, &job).await?;
@@ -1194,12 +1255,13 @@ async fn cascade_chat(
                 last: None,
                 queued_ms: 0,
             };
-            collect(timed).await
+            collect(timed).await.map(|c| (c, job.engine.clone()))
         }
         .instrument(
             info_span!("cascade.tier", mesh.tier = %tier, mesh.verdict = tracing::field::Empty),
         )
         .await?;
+        let (c, engine) = c;
         let out = cascade::Output {
             text: &c.text,
             margins: &c.margins,
@@ -1226,12 +1288,13 @@ async fn cascade_chat(
         total.completion_tokens_details.reasoning_tokens +=
             c.usage.completion_tokens_details.reasoning_tokens;
         if a.verdict.kept() {
-            kept = Some((tier.clone(), c));
+            kept = Some((tier.clone(), c, engine));
             break;
         }
         debug_assert!(a.verdict != Verdict::Accept);
     }
-    let (tier, c) = kept.ok_or_else(|| ApiError::unavailable("no cascade tier answered"))?;
+    let (tier, c, engine) =
+        kept.ok_or_else(|| ApiError::unavailable("no cascade tier answered"))?;
     if r.stream {
         // Replay the kept answer; the final usage chunk reports the whole cascade's tokens.
         let (tx, rx) = mpsc::unbounded_channel();
@@ -1259,6 +1322,8 @@ async fn cascade_chat(
             model: policy.model.clone(),
             req: GenerateRequest::default(),
             _permit: Some(permit),
+            engine: None,
+            _lease: None,
         };
         let timed = Timed {
             rx,
@@ -1279,6 +1344,7 @@ async fn cascade_chat(
             cascade: steps,
             router: routed,
             speculative: c.speculative,
+            engine,
         };
         Ok(Json(chat_body(&policy.model, &c.text, c.finish, total, &mesh)).into_response())
     }
@@ -1497,6 +1563,7 @@ async fn completions_inner(state: &AppState, body: &[u8]) -> Result<Response, Ap
             _ => return Err(ApiError::bad_request("prompt must be a string, a one-element list of strings, or a list of token ids", Some("prompt"))),
         };
         let tier = state.dispatcher.route_prompt(&r.model, &prompt, "", true).unwrap_or(tier);
+        let (tier, engine, lease) = state.engine_for(tier, &r.model, RequestRole::Summaries, &state.policy().quantization);
         let max_tokens = budget(state, tier.max_seq_len(), prompt.len(), r.max_tokens)?;
         let req = GenerateRequest {
             prompt,
@@ -1506,7 +1573,7 @@ async fn completions_inner(state: &AppState, body: &[u8]) -> Result<Response, Ap
             ignore_eos: r.ignore_eos,
             ..Default::default()
         };
-        let job = Job { model: r.model.clone(), req, _permit: Some(permit) };
+        let job = Job { model: r.model.clone(), req, _permit: Some(permit), engine, _lease: lease };
         let rx = submit(state, tier, &job).await?;
         let mut timed = Timed { rx, model: job.model.clone(), metrics: state.metrics.clone(), arrived, last: None, queued_ms: 0 };
         if !r.stream {
@@ -1515,7 +1582,7 @@ async fn completions_inner(state: &AppState, body: &[u8]) -> Result<Response, Ap
                 "id": new_id("cmpl"), "object": "text_completion", "created": now_s(), "model": job.model,
                 "choices": [{"index": 0, "text": c.text, "finish_reason": finish_str(c.finish), "logprobs": null}],
                 "usage": c.usage,
-                "mesh": MeshInfo { tier: job.model.clone(), queued_ms: c.queued_ms, reasoning_capped: c.reasoning_capped, cascade: vec![], router: None, speculative: c.speculative },
+                "mesh": MeshInfo { tier: job.model.clone(), queued_ms: c.queued_ms, reasoning_capped: c.reasoning_capped, cascade: vec![], router: None, speculative: c.speculative, engine: job.engine.clone() },
             }))
             .into_response());
         }

@@ -16,6 +16,8 @@ pub mod client;
 pub mod config;
 #[cfg(feature = "node")]
 pub mod control_api;
+#[cfg(feature = "node")]
+pub mod engines;
 pub mod env;
 #[cfg(feature = "node")]
 pub mod farmem;
@@ -81,6 +83,7 @@ mod node_run {
             cascade: cfg.cascade.clone(),
             reasoning: cfg.reasoning.clone(),
             router_top_k: cfg.tool_routing.router.top_k,
+            ..mesh_control::policy::Policy::default()
         };
         let tuner = std::sync::Arc::new(crate::control_api::Tuner::open(
             cfg.tuner.clone(),
@@ -89,7 +92,26 @@ mod node_run {
         let mut tiers = cfg.tiers.clone();
         let placement = crate::placement::apply(&cfg.placement, &mut tiers);
         crate::farmem::apply(&mesh_control::topology::Topology::detect(), &mut tiers);
-        let (supervisor, registry) = crate::node::start(tiers).await?;
+        let (supervisor, registry, variants) = crate::node::start(tiers.clone()).await?;
+        // The engines the policy file's quantization names start before the gateway serves.
+        let engines = std::sync::Arc::new(crate::engines::Engines::new(
+            &tiers,
+            Some(supervisor.clone()),
+            variants,
+        ));
+        let quant = tuner.live.load().policy.quantization.clone();
+        let from = cfg
+            .tuner
+            .state_file
+            .as_ref()
+            .map_or("the policy".to_owned(), |f| f.display().to_string());
+        let wanted = engines
+            .resolve(&quant)
+            .map_err(|(e, _)| anyhow::anyhow!("{from}: {e}"))?;
+        engines
+            .start(&wanted)
+            .await
+            .map_err(|e| anyhow::anyhow!("{from}: {e}"))?;
         let settings = GatewaySettings {
             max_concurrent: cfg.max_concurrent,
             retry_after_s: cfg.retry_after_s,
@@ -149,7 +171,8 @@ mod node_run {
         let app = gateway::router(
             AppState::new(registry, cluster.clone(), settings)
                 .with_agent(agent)
-                .with_tuner(tuner),
+                .with_tuner(tuner)
+                .with_engines(engines),
         );
         let server = tokio::spawn(async move {
             axum::serve(listener, app)

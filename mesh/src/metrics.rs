@@ -44,6 +44,20 @@ pub struct CascadeLabel {
     pub verdict: String,
 }
 
+/// Label: the engine that served a generation (quantization policy). Bounded: a tier runs
+/// one engine per distinct (GGUF, KV type) its policy names.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct EngineLabel {
+    /// Tier id.
+    pub model: String,
+    /// GGUF file name (`t1-q4_0.gguf`).
+    pub gguf: String,
+    /// KV cache type (`f16`, `q8_0`, `q4_0`).
+    pub kv_type: String,
+    /// Request role (`tool_calls`, `reasoning`, `summaries`).
+    pub role: String,
+}
+
 /// Label: what the tool router did with a request.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct RoutingLabel {
@@ -137,6 +151,8 @@ pub struct Metrics {
     pub tools_removed: Counter,
     /// Agent tasks by how they ended.
     pub agent_tasks: Family<StatusLabel, Counter>,
+    /// Generations by the local engine that ran them (quantization policy).
+    pub engine_requests: Family<EngineLabel, Counter>,
     tool_collector: ToolCollector,
     active: Family<ModelLabel, Gauge>,
     queued: Family<ModelLabel, Gauge>,
@@ -171,6 +187,7 @@ impl Default for Metrics {
             tool_routing: Family::default(),
             tools_removed: Counter::default(),
             agent_tasks: Family::default(),
+            engine_requests: Family::default(),
             tool_collector: ToolCollector::default(),
             active: Family::default(),
             queued: Family::default(),
@@ -242,6 +259,11 @@ impl Default for Metrics {
             "agent_tasks",
             "Agent tasks (POST /v1/agent/tasks) by how they ended",
             m.agent_tasks.clone(),
+        );
+        registry.register(
+            "engine_requests",
+            "Generations started on a local engine, by tier, GGUF file, KV cache type and request role (quantization policy)",
+            m.engine_requests.clone(),
         );
         registry.register(
             "active_sequences",

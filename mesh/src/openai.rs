@@ -245,6 +245,21 @@ pub struct MeshInfo {
     /// Requests decoded speculatively on this node: drafted and accepted tokens.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub speculative: Option<SpecInfo>,
+    /// The local engine that produced the answer (quantization policy); absent when a
+    /// peer served it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub engine: Option<EngineInfo>,
+}
+
+/// Which engine of a tier served a request.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+pub struct EngineInfo {
+    /// GGUF file name (`t1-q4_0.gguf`).
+    pub gguf: String,
+    /// KV cache type (`f16`, `q8_0`, `q4_0`).
+    pub kv_type: String,
+    /// The request's role (`tool_calls`, `reasoning`, `summaries`).
+    pub role: String,
 }
 
 /// Speculative decoding of one response (a draft model proposed, the tier verified).

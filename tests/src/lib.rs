@@ -95,12 +95,18 @@ impl Node {
             args.push("--seeds".into());
             args.push(seeds.join(","));
         }
+        Self::spawn(&args, &log)
+    }
+
+    /// Runs `mesh ARGS` (stderr to `log`) until it prints its gateway address; `Err`
+    /// carries the log if it exits first.
+    fn spawn(args: &[String], log: &Path) -> Result<Node, String> {
         let mut child = Command::new(mesh_bin())
-            .args(&args)
+            .args(args)
             .current_dir(root())
             .env("RUST_LOG", "info")
             .stdout(Stdio::piped())
-            .stderr(std::fs::File::create(&log).expect("log file"))
+            .stderr(std::fs::File::create(log).expect("log file"))
             .spawn()
             .expect("mesh starts");
         let mut lines = BufReader::new(child.stdout.take().expect("stdout")).lines();
@@ -123,10 +129,19 @@ impl Node {
                 }
                 _ => {
                     let _ = child.wait();
-                    return Err(std::fs::read_to_string(&log).unwrap_or_default());
+                    return Err(std::fs::read_to_string(log).unwrap_or_default());
                 }
             }
         }
+    }
+
+    /// Starts a standalone `mesh up --port 0 ARGS` (log in `<log_dir>/up-<pid>.log`) and
+    /// waits for its gateway; `Err` carries its log if it exits first.
+    pub fn up(log_dir: &Path, args: &[&str]) -> Result<Node, String> {
+        let log = log_dir.join(format!("up-{}.log", std::process::id()));
+        let mut all: Vec<String> = vec!["up".into(), "--port".into(), "0".into()];
+        all.extend(args.iter().map(|s| s.to_string()));
+        Self::spawn(&all, &log)
     }
 
     /// SIGKILL.
