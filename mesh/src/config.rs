@@ -66,6 +66,10 @@ pub struct NodeConfig {
 pub struct TunerSettings {
     /// Whether `POST /v1/control/tune` runs cycles (the live policy is read either way).
     pub enabled: bool,
+    /// Seconds between rule-driven cycles the node runs by itself; 0 = only on demand
+    /// (`POST /v1/control/tune`). A period whose window saw fewer than `min_requests`
+    /// requests is skipped without probing (an idle node spends nothing on tuning).
+    pub interval_s: u64,
     /// Versioned policy file: loaded at start when present (the node refuses to start on a
     /// corrupt one), else written at start from the config; rewritten (atomically) on every
     /// accepted change only; decisions go to
@@ -96,6 +100,7 @@ impl Default for TunerSettings {
         let t = mesh_control::tuner::TunerConfig::default();
         Self {
             enabled: true,
+            interval_s: 0,
             state_file: None,
             probe_tasks: models_dir().join("fixtures/eval-heldout.jsonl"),
             probe_kinds: vec![],

@@ -121,6 +121,21 @@ pub struct Tuner {
     /// This run's decisions (all verdicts), newest last, for `GET /v1/control/policy`
     /// when there is no journal file.
     decisions: std::sync::Mutex<Vec<Decision>>,
+    /// What the periodic cycles did (`[tuner] interval_s`).
+    periodic: std::sync::Mutex<Periodic>,
+}
+
+/// Tally of the cycles the node ran by itself.
+#[derive(Debug, Default, Clone, serde::Serialize)]
+struct Periodic {
+    /// Periods that ran a cycle (a probe pass, and a trial when a rule fired).
+    ran: u64,
+    /// Periods skipped: fewer than `min_requests` requests in the window.
+    idle: u64,
+    /// Periods skipped: a cycle or a reload was running.
+    busy: u64,
+    /// The last cycle's HTTP status and body, as `POST /v1/control/tune` would answer.
+    last: Option<Value>,
 }
 
 impl std::fmt::Debug for Tuner {
@@ -164,6 +179,7 @@ impl Tuner {
                 tasks: None,
             }),
             decisions: std::sync::Mutex::default(),
+            periodic: std::sync::Mutex::default(),
         })
     }
 
@@ -492,6 +508,69 @@ async fn tune(State(state): State<AppState>, body: Bytes) -> Response {
     }
 }
 
+/// Starts the node's own rule-driven cycles, every `[tuner] interval_s` seconds (none when
+/// 0 or the tuner is off). Each period first reads the window's live request count from the
+/// node's metrics; below `min_requests` it is skipped without probing. Otherwise it runs the
+/// same cycle as an empty `POST /v1/control/tune` (probe pass, rules, trial, gate, state
+/// file), so a periodic decision is journaled and applied exactly like an operator's.
+pub(crate) fn spawn_periodic(state: AppState) -> Option<tokio::task::JoinHandle<()>> {
+    let tuner = state.tuner().clone();
+    let every = tuner.settings.interval_s;
+    if every == 0 || !tuner.settings.enabled {
+        return None;
+    }
+    tracing::info!(
+        interval_s = every,
+        "tuner: a rule-driven cycle every period"
+    );
+    Some(tokio::spawn(async move {
+        let mut tick = tokio::time::interval(std::time::Duration::from_secs(every));
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        tick.tick().await;
+        loop {
+            tick.tick().await;
+            let live = {
+                let Ok(cy) = tuner.cycle.try_lock() else {
+                    tuner.tally(|p| p.busy += 1);
+                    continue;
+                };
+                let first = tuner.live.load().policy.cascade.tiers.first().cloned();
+                let now = totals(&state.render_metrics(), &first.unwrap_or_default());
+                since(&now, &cy.baseline).requests
+            };
+            if live < tuner.settings.min_requests {
+                tuner.tally(|p| p.idle += 1);
+                continue;
+            }
+            let r = tune(State(state.clone()), Bytes::new()).await;
+            let status = r.status();
+            let body = axum::body::to_bytes(r.into_body(), 1 << 20)
+                .await
+                .ok()
+                .and_then(|b| serde_json::from_slice::<Value>(&b).ok());
+            if status == StatusCode::CONFLICT {
+                tuner.tally(|p| p.busy += 1);
+                continue;
+            }
+            tracing::info!(
+                status = status.as_u16(),
+                live_requests = live,
+                "tuner: periodic cycle"
+            );
+            tuner.tally(|p| {
+                p.ran += 1;
+                p.last = Some(json!({"status": status.as_u16(), "body": body}));
+            });
+        }
+    }))
+}
+
+impl Tuner {
+    fn tally(&self, f: impl FnOnce(&mut Periodic)) {
+        f(&mut self.periodic.lock().unwrap_or_else(PoisonError::into_inner));
+    }
+}
+
 fn verdict_str(v: Verdict) -> &'static str {
     match v {
         Verdict::Accept => "accept",
@@ -520,6 +599,10 @@ async fn show_policy(State(state): State<AppState>) -> Json<Value> {
         "state_file": file,
         "journal": file.map(policy::journal_path),
         "enabled": tuner.settings.enabled,
+        "periodic": {
+            "interval_s": tuner.settings.interval_s,
+            "cycles": tuner.periodic.lock().unwrap_or_else(PoisonError::into_inner).clone(),
+        },
         "engines": state.engines().list(state.registry()),
     }))
 }

@@ -168,16 +168,20 @@ mod node_run {
         let agent = std::sync::Arc::new(
             crate::agent::Agent::new(hub, agent_settings).with_catalog(catalog),
         );
-        let app = gateway::router(
-            AppState::new(registry, cluster.clone(), settings)
-                .with_agent(agent)
-                .with_tuner(tuner)
-                .with_engines(engines),
-        );
+        let state = AppState::new(registry, cluster.clone(), settings)
+            .with_agent(agent)
+            .with_tuner(tuner)
+            .with_engines(engines);
+        let periodic = crate::control_api::spawn_periodic(state.clone());
+        let app = gateway::router(state);
         let server = tokio::spawn(async move {
-            axum::serve(listener, app)
+            let served = axum::serve(listener, app)
                 .with_graceful_shutdown(shutdown)
-                .await
+                .await;
+            if let Some(p) = periodic {
+                p.abort();
+            }
+            served
         });
         Ok(Running {
             addr,

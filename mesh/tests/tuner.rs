@@ -223,3 +223,55 @@ async fn a_corrupt_state_file_stops_the_node_with_its_path() {
         .to_string();
     assert!(e.contains("policy.json"), "{e}");
 }
+
+/// `[tuner] interval_s`: the node runs rule-driven cycles by itself. Idle periods are
+/// skipped without probing; once live requests fill a window, a period runs a cycle
+/// (probe pass, rules) and its outcome is shown in `GET /v1/control/policy`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn periodic_cycles_skip_idle_windows_and_run_on_traffic() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("policy.json");
+    let mut cfg = t1_node(&file);
+    cfg.tuner.interval_s = 1;
+    cfg.tuner.min_requests = 2;
+    cfg.tuner.probe_tasks = root().join("models/fixtures/eval-heldout.jsonl");
+    cfg.tuner.probe_n = 2;
+    cfg.tuner.probe_model = Some("t1".into());
+    cfg.tuner.probe_max_tokens = 48;
+    let (base, _stop) = common::in_process(cfg).await;
+    let c = reqwest::Client::new();
+    let cycles = |p: &Value| p["periodic"]["cycles"].clone();
+
+    // Idle: periods pass, none runs a cycle.
+    tokio::time::sleep(std::time::Duration::from_millis(2500)).await;
+    let p = get_policy(&c, &base).await;
+    assert_eq!(p["periodic"]["interval_s"], 1);
+    assert!(cycles(&p)["idle"].as_u64().unwrap() >= 1, "{p:#}");
+    assert_eq!(cycles(&p)["ran"], 0, "{p:#}");
+
+    // Live traffic: two requests fill the window; a later period runs a cycle by itself.
+    let task = &mesh_tiers::eval::load_tasks(&root().join("models/fixtures/eval-heldout.jsonl"))
+        .unwrap()[0];
+    for _ in 0..2 {
+        let body = mesh::control_api::task_request(task, "t1", 48).unwrap();
+        let (status, v) = post(&c, &format!("{base}/v1/chat/completions"), &body.to_string()).await;
+        assert_eq!(status, 200, "{v}");
+    }
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(120);
+    let p = loop {
+        let p = get_policy(&c, &base).await;
+        if cycles(&p)["ran"].as_u64().unwrap() >= 1 {
+            break p;
+        }
+        assert!(std::time::Instant::now() < deadline, "no periodic cycle ran: {p:#}");
+        tokio::time::sleep(std::time::Duration::from_millis(250)).await;
+    };
+    // The cycle answered as `POST /v1/control/tune` would: no rule, or a judged trial.
+    let last = &cycles(&p)["last"];
+    let status = last["status"].as_u64().unwrap();
+    assert!([200, 422].contains(&status), "{last:#}");
+    assert!(
+        last["body"]["counters"]["requests"].as_u64().unwrap() >= 2,
+        "the window counted the live requests: {last:#}"
+    );
+}
