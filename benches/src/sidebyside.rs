@@ -38,7 +38,7 @@ pub(crate) struct ServerArgs {
     /// Sequences decoded together (llama-server slots, mesh --parallel).
     #[arg(long, default_value_t = 8)]
     pub(crate) parallel: u32,
-    /// llama-server's -b and -ub (mesh's built-in n_batch = n_ubatch is 512).
+    /// Tokens per step for both servers (llama-server: -b and -ub; mesh: --batch).
     #[arg(long, default_value_t = 512)]
     pub(crate) batch: u32,
     /// mesh binary (build it with `cargo build --release --workspace --bins`).
@@ -94,6 +94,8 @@ impl ServerArgs {
             &self.parallel.to_string(),
             "--ctx",
             &(self.ctx * self.parallel).to_string(),
+            "--batch",
+            &self.batch.to_string(),
         ]
         .map(String::from)
         .to_vec();
@@ -614,7 +616,7 @@ mod tests {
         let m = a.mesh_args(7000, &["--kv-block".into(), "16".into()]);
         assert_eq!(
             m.join(" "),
-            "up --port 7000 --tier t1=models/t1-q8_0.gguf --threads 2 --parallel 4 --ctx 4096 --kv-block 16"
+            "up --port 7000 --tier t1=models/t1-q8_0.gguf --threads 2 --parallel 4 --ctx 4096 --batch 512 --kv-block 16"
         );
         let l = a.llama_args(7001).join(" ");
         assert!(l.starts_with("-m models/t1-q8_0.gguf --host 127.0.0.1 --port 7001 --alias t1 -t 2 -tb 2 -c 4096 -np 4 -b 512 -ub 512"));

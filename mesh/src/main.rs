@@ -146,6 +146,10 @@ struct UpArgs {
     /// Concurrent sequences per tier.
     #[arg(long)]
     parallel: Option<u32>,
+    /// Tokens per llama.cpp step per tier (batch = micro-batch); prompt chunks are capped so
+    /// that one fits beside every running sequence's token.
+    #[arg(long)]
+    batch: Option<u32>,
     /// Folder for the KV page disk tier (one subfolder per tier); pages survive restarts.
     #[arg(long)]
     kv_dir: Option<PathBuf>,
@@ -190,6 +194,10 @@ fn node_config(a: &UpArgs) -> anyhow::Result<NodeConfig> {
         }
         if let Some(p) = a.parallel {
             t.n_seq_max = p;
+        }
+        if let Some(b) = a.batch {
+            t.n_batch = b;
+            t.prefill_chunk = t.prefill_chunk.min(b.saturating_sub(t.n_seq_max));
         }
         if let Some(d) = &a.kv_dir {
             t.kv_pages.disk_dir = Some(d.join(&t.name));
