@@ -507,6 +507,36 @@ impl Collector for NodeCollector {
             let rows: Vec<_> = spec.iter().map(|(n, s)| (m(n), get(s))).collect();
             family(&mut enc, name, help, true, &rows)?;
         }
+        // Hardware counters per tier: whether they run, always; the totals only where they
+        // do (absent, not zero, where the kernel gives no perf events).
+        let mut hw: Vec<(String, Arc<EngineStats>)> = self
+            .tiers
+            .iter()
+            .map(|e| (e.key().clone(), e.value().desc.stats.clone()))
+            .collect();
+        hw.sort_by(|a, b| a.0.cmp(&b.0));
+        let avail: Vec<_> = hw
+            .iter()
+            .filter_map(|(n, s)| s.hw.available().map(|a| (m(n), u64::from(a.is_ok()))))
+            .collect();
+        family(
+            &mut enc,
+            "hw_counters_available",
+            "1 when the tier's hardware counters (perf events) run, 0 when the kernel gives none",
+            false,
+            &avail,
+        )?;
+        for (i, (event, _)) in mesh_tiers::hwcount::EVENTS.iter().enumerate() {
+            let rows: Vec<_> = hw
+                .iter()
+                .filter_map(|(n, s)| s.hw.values().map(|v| (m(n), v[i])))
+                .collect();
+            let help = format!(
+                "Hardware {} of the tier's engine and llama.cpp threads (user space)",
+                event.replace('_', " ")
+            );
+            family(&mut enc, &format!("hw_{event}"), &help, true, &rows)?;
+        }
         let f = &mesh_transport::frame::STATS;
         let none: [(NoLabels, u64); 1] = [(NoLabels {}, f.refused.load(Relaxed))];
         family(

@@ -356,6 +356,18 @@ async fn agents_with_the_same_tools_share_prefix_pages() {
         "{m0}"
     );
     assert!(!m0.contains("tier=\"far\""), "{m0}");
+    // Hardware counters: where the kernel gives perf events they counted the requests so
+    // far; where it gives none (this VM) they are reported unavailable, with no series.
+    let hw = m0
+        .lines()
+        .find(|l| l.starts_with("mesh_hw_counters_available{"))
+        .unwrap_or_else(|| panic!("no hw availability: {m0}"));
+    if hw.ends_with(" 1") {
+        assert!(metric(&m0, "mesh_hw_instructions_total") > 0.0, "{m0}");
+    } else {
+        assert!(hw.ends_with(" 0"), "{hw}");
+        assert!(!m0.contains("mesh_hw_instructions_total"), "absent, not zero: {m0}");
+    }
     // Same tools, another question: the shared prefix (tool schemas) is restored.
     let (s, _, _) = post(
         &c,

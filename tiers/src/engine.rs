@@ -90,6 +90,8 @@ pub struct EngineStats {
     pub draft_tokens: AtomicU64,
     /// Drafted tokens the target accepted.
     pub draft_accepted: AtomicU64,
+    /// Hardware counters of the engine's threads (absent where the kernel gives none).
+    pub hw: crate::hwcount::HwStats,
 }
 
 /// What a loaded model is.
@@ -195,6 +197,8 @@ impl Engine {
                 .name(format!("engine-{}", cfg.name))
                 .spawn(move || {
                     cfg.thread_setup.run();
+                    // Before llama.cpp starts its compute threads, so that they are counted.
+                    let hw = crate::hwcount::HwCounters::open(&stats.hw);
                     let mut ctx = match new_context(&model, &cfg) {
                         Ok(c) => c,
                         Err(e) => {
@@ -220,7 +224,9 @@ impl Engine {
                         base: k.base(),
                     });
                     let _ = ready_tx.send(Ok(handles));
-                    Loop::new(&model, ctx, &cfg, &info, stats, kv, draft).run(rx);
+                    let mut l = Loop::new(&model, ctx, &cfg, &info, stats, kv, draft);
+                    l.hw = hw;
+                    l.run(rx);
                 })
                 .map_err(|e| TierError::Context(e.to_string()))?
         };
@@ -507,6 +513,8 @@ struct Loop<'m> {
     think: Option<(LlamaToken, LlamaToken)>,
     /// The draft model, when greedy sequences are decoded speculatively.
     draft: Option<Draft<'m>>,
+    /// Hardware counters of this thread and llama.cpp's, when the kernel gives them.
+    hw: Option<crate::hwcount::HwCounters>,
 }
 
 impl<'m> Loop<'m> {
@@ -535,6 +543,7 @@ impl<'m> Loop<'m> {
             pending: std::collections::HashMap::new(),
             think: think_tokens(model),
             draft,
+            hw: None,
         }
     }
 
@@ -825,6 +834,9 @@ impl<'m> Loop<'m> {
             }
         }
         self.stats.steps.fetch_add(1, Ordering::Relaxed);
+        if let Some(hw) = &mut self.hw {
+            hw.publish(&self.stats.hw);
+        }
         self.stats
             .prompt_tokens
             .fetch_add(prompt_tokens, Ordering::Relaxed);

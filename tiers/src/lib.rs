@@ -35,6 +35,7 @@ mod engine;
 mod error;
 pub mod eval;
 pub mod grammar;
+pub mod hwcount;
 pub mod kvcache;
 pub mod plan;
 pub mod quantize;
