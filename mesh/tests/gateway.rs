@@ -366,7 +366,10 @@ async fn agents_with_the_same_tools_share_prefix_pages() {
         assert!(metric(&m0, "mesh_hw_instructions_total") > 0.0, "{m0}");
     } else {
         assert!(hw.ends_with(" 0"), "{hw}");
-        assert!(!m0.contains("mesh_hw_instructions_total"), "absent, not zero: {m0}");
+        assert!(
+            !m0.contains("mesh_hw_instructions_total"),
+            "absent, not zero: {m0}"
+        );
     }
     // Same tools, another question: the shared prefix (tool schemas) is restored.
     let (s, _, _) = post(
