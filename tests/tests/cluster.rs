@@ -257,21 +257,40 @@ async fn three_node_cluster() {
     // Garbage on streams does not disturb the node.
     garbage_frames(&certs, &seed).await;
 
-    // Reference answers, then the same requests through every gateway.
+    // Reference answers from a standalone node with the same settings. Computing them
+    // on a member would leave that member holding every prompt's KV pages, and the
+    // router would then keep the burst below on it (on a fast host b never gets work).
     let client = reqwest::Client::new();
     let mut reference = vec![];
     let mut reference_stream = vec![];
-    for i in 0..10 {
-        reference.push(
-            complete(&client, &a.http, &request(i))
-                .await
-                .expect("reference"),
-        );
-        reference_stream.push(
-            complete_streaming(&client, &a.http, &request(i))
-                .await
-                .expect("reference"),
-        );
+    {
+        let mut solo = Node::up(
+            &base,
+            &[
+                "--only",
+                "t1",
+                "--threads",
+                "1",
+                "--ctx",
+                "4096",
+                "--parallel",
+                "4",
+            ],
+        )
+        .expect("reference node starts");
+        for i in 0..10 {
+            reference.push(
+                complete(&client, &solo.http, &request(i))
+                    .await
+                    .expect("reference"),
+            );
+            reference_stream.push(
+                complete_streaming(&client, &solo.http, &request(i))
+                    .await
+                    .expect("reference"),
+            );
+        }
+        solo.terminate();
     }
     for http in [&a.http, &b.http, &cn.http] {
         for i in [0, 7] {
