@@ -7,8 +7,9 @@
 //! `/v1/completions`, `max_tokens` with EOS ignored). Every repetition uses a new shared
 //! prefix (another slice of the catalog), so neither server starts it with a warm cache. The
 //! targets alternate A B A B. Reported per target: agent-task throughput (requests/s), TTFT
-//! p50/p95, and for mesh the page-store bytes against one copy of the shared prefix plus
-//! the agents' distinct tails.
+//! p50/p95, and for mesh the page-store bytes each repetition added against one copy of
+//! the shared prefix plus the requests' distinct tails (token counts from llama-server's
+//! `/tokenize`, bytes per token from the store's own totals).
 
 use std::path::PathBuf;
 use std::time::Instant;
@@ -41,6 +42,9 @@ pub(crate) struct PrefixArgs {
     /// Measured repetitions per target.
     #[arg(long, default_value_t = 2)]
     reps: usize,
+    /// Tokens per mesh KV page (`mesh up --kv-block`).
+    #[arg(long, default_value_t = 32)]
+    kv_block: usize,
     /// Tool catalog.
     #[arg(long, default_value = "models/fixtures/catalog.jsonl")]
     catalog: PathBuf,
@@ -115,6 +119,22 @@ async fn run_rep(
     })
 }
 
+/// Token count of `text` by llama-server's `/tokenize` (same GGUF, same tokenizer).
+async fn count_tokens(client: &reqwest::Client, llama: &str, text: &str) -> Result<usize> {
+    let v: Value = client
+        .post(format!("{llama}/tokenize"))
+        .json(&json!({"content": text, "add_special": false}))
+        .send()
+        .await?
+        .error_for_status()?
+        .json()
+        .await?;
+    v["tokens"]
+        .as_array()
+        .map(Vec::len)
+        .context("llama-server /tokenize gave no tokens")
+}
+
 async fn scrape(client: &reqwest::Client, base: &str, name: &str) -> f64 {
     let Ok(r) = client.get(format!("{base}/metrics")).send().await else {
         return 0.0;
@@ -128,8 +148,8 @@ async fn scrape(client: &reqwest::Client, base: &str, name: &str) -> f64 {
 
 pub(crate) async fn run(a: PrefixArgs) -> Result<()> {
     a.servers.check(&[(&a.catalog, "catalog")])?;
-    if a.agents == 0 || a.turns == 0 || a.reps == 0 {
-        bail!("--agents, --turns and --reps must be at least 1");
+    if a.agents == 0 || a.turns == 0 || a.reps == 0 || a.kv_block == 0 {
+        bail!("--agents, --turns, --reps and --kv-block must be at least 1");
     }
     let catalog = workload::load_catalog(&a.catalog)?;
     if let Some(d) = a.out.parent() {
@@ -137,9 +157,10 @@ pub(crate) async fn run(a: PrefixArgs) -> Result<()> {
     }
     let model = a.servers.model.display().to_string();
     let mut servers = Vec::new();
+    let kv_block = ["--kv-block".to_owned(), a.kv_block.to_string()];
     let (client, _) = a
         .servers
-        .start(&a.out, &[], &mut servers, &ProgressBar::hidden())
+        .start(&a.out, &kv_block, &mut servers, &ProgressBar::hidden())
         .await?;
     let bases: Vec<String> = servers.iter().map(|s| s.base_url.clone()).collect();
     // Warm-up on a prefix no repetition uses.
@@ -183,6 +204,33 @@ pub(crate) async fn run(a: PrefixArgs) -> Result<()> {
         }
     }
     let reused = scrape(&client, &bases[0], "mesh_kv_recompute_avoided_tokens_total").await;
+    // KV memory: what the page store gained per repetition against one copy of the shared
+    // prefix plus every request's distinct tail, at the store's own bytes per token
+    // (payload and page headers, from its totals).
+    let stored_pages = scrape(&client, &bases[0], "mesh_kv_pages{").await;
+    let stored_bytes = scrape(&client, &bases[0], "mesh_kv_page_bytes{").await;
+    let block = a.kv_block as f64;
+    let last = shared_prefix(&catalog, a.reps - 1, a.prefix_tools);
+    let prefix_tokens = count_tokens(&client, &bases[1], &last).await?;
+    let mut tails = 0usize;
+    for agent in 0..a.agents {
+        for turn in 0..a.turns {
+            let full = count_tokens(
+                &client,
+                &bases[1],
+                &format!("{last}{}", question(agent, turn)),
+            )
+            .await?;
+            tails += full.saturating_sub(prefix_tokens);
+        }
+    }
+    let bytes_per_token =
+        (stored_pages > 0.0 && block > 0.0).then(|| stored_bytes / (stored_pages * block));
+    let ideal = bytes_per_token.map(|b| b * (prefix_tokens + tails) as f64);
+    let memory_ratio: Vec<f64> = match ideal {
+        Some(i) if i > 0.0 => page_bytes.iter().map(|b| b / i).collect(),
+        _ => vec![],
+    };
     let summarize = |rs: &[RepResult]| {
         let n: usize = rs.iter().map(|r| r.ttft.len()).sum();
         let wall: f64 = rs.iter().map(|r| r.wall_s).sum();
@@ -203,7 +251,9 @@ pub(crate) async fn run(a: PrefixArgs) -> Result<()> {
         "machine": crate::machine::machine(),
         "settings": {"model": model, "agents": a.agents, "turns": a.turns, "prefix_tools": a.prefix_tools, "max_tokens": a.max_tokens,
                      "threads": a.servers.threads, "parallel": a.servers.parallel, "ctx": a.servers.ctx, "reps": a.reps, "prompt_tokens": prompt_tokens},
-        "mesh": {"requests_per_s": m_tput, "ttft_s": m_ttft, "page_store_bytes_per_rep": page_bytes, "recompute_avoided_tokens": reused},
+        "mesh": {"requests_per_s": m_tput, "ttft_s": m_ttft, "page_store_bytes_per_rep": page_bytes, "recompute_avoided_tokens": reused,
+                 "kv_memory": {"prefix_tokens": prefix_tokens, "distinct_tail_tokens": tails, "page_bytes_per_token": bytes_per_token,
+                               "one_prefix_plus_tails_bytes": ideal, "ratio_per_rep": memory_ratio}},
         "llama_server": {"requests_per_s": l_tput, "ttft_s": l_ttft},
         "ratios": {"throughput": m_tput / l_tput, "ttft_p50": ratio(m_ttft.p50, l_ttft.p50), "ttft_p95": ratio(m_ttft.p95, l_ttft.p95)},
     });
@@ -218,6 +268,13 @@ pub(crate) async fn run(a: PrefixArgs) -> Result<()> {
     std::fs::write(&a.out, serde_json::to_string_pretty(&report)? + "\n")?;
     std::fs::write(a.out.with_extension("md"), &md)?;
     println!("{md}\nmesh page store per repetition: {page_bytes:?} bytes; prompt tokens restored from pages: {reused}");
+    if let Some(i) = ideal {
+        println!(
+            "KV memory: one copy of the {prefix_tokens}-token prefix + {tails} distinct tail tokens = {:.0} bytes; page store / that per repetition: {}",
+            i,
+            memory_ratio.iter().map(|r| format!("{r:.2}")).collect::<Vec<_>>().join(", ")
+        );
+    }
     println!("wrote {}", a.out.display());
     Ok(())
 }

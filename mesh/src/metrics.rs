@@ -507,14 +507,31 @@ impl Collector for NodeCollector {
             let rows: Vec<_> = spec.iter().map(|(n, s)| (m(n), get(s))).collect();
             family(&mut enc, name, help, true, &rows)?;
         }
-        // Hardware counters per tier: whether they run, always; the totals only where they
-        // do (absent, not zero, where the kernel gives no perf events).
         let mut hw: Vec<(String, Arc<EngineStats>)> = self
             .tiers
             .iter()
             .map(|e| (e.key().clone(), e.value().desc.stats.clone()))
             .collect();
         hw.sort_by(|a, b| a.0.cmp(&b.0));
+        // KV kept in slots between requests (every tier).
+        let resident_counters: [(&str, &str, Stat); 2] = [
+            (
+                "kv_resident_hits",
+                "Requests that reused KV kept in their slot by the previous request",
+                |s| s.resident_hits.load(Relaxed),
+            ),
+            (
+                "kv_resident_tokens",
+                "Prompt tokens reused in place from a slot's kept KV instead of prefilled",
+                |s| s.resident_tokens.load(Relaxed),
+            ),
+        ];
+        for (name, help, get) in resident_counters {
+            let rows: Vec<_> = hw.iter().map(|(n, s)| (m(n), get(s))).collect();
+            family(&mut enc, name, help, true, &rows)?;
+        }
+        // Hardware counters per tier: whether they run, always; the totals only where they
+        // do (absent, not zero, where the kernel gives no perf events).
         let avail: Vec<_> = hw
             .iter()
             .filter_map(|(n, s)| s.hw.available().map(|a| (m(n), u64::from(a.is_ok()))))

@@ -49,6 +49,13 @@ pub struct EngineConfig {
     /// allow long and short sequences to mix, but every decode then attends over the cells of
     /// all sequences, which costs several times more at high concurrency.
     pub kv_unified: bool,
+    /// A finished sequence's KV stays in its slot (prompt and answer) and the next request
+    /// whose prompt starts with the same tokens reuses it in place, as llama-server's
+    /// prompt cache does: the next turn of a conversation prefills only what is new. Free
+    /// slots are handed out by longest match, then least recently used. Pages are still
+    /// restored when they cover more of the prompt. Needs one KV stream per sequence
+    /// (ignored with `kv_unified`, where kept cells would crowd out other sequences).
+    pub keep_resident: bool,
     /// Prefix KV pages: reuse the KV of prompt prefixes seen before.
     pub kv_pages: KvPagesConfig,
     /// Speculative decoding: a draft model proposes tokens that this engine verifies in one
@@ -193,6 +200,7 @@ impl Default for EngineConfig {
             max_queue: 64,
             kv_type: KvType::F16,
             kv_unified: false,
+            keep_resident: true,
             kv_pages: KvPagesConfig::default(),
             draft: None,
             thread_setup: ThreadSetup::default(),

@@ -90,6 +90,10 @@ pub struct EngineStats {
     pub draft_tokens: AtomicU64,
     /// Drafted tokens the target accepted.
     pub draft_accepted: AtomicU64,
+    /// Requests that reused KV kept in their slot by the previous sequence there.
+    pub resident_hits: AtomicU64,
+    /// Prompt tokens reused in place from a slot's kept KV instead of prefilled.
+    pub resident_tokens: AtomicU64,
     /// Hardware counters of the engine's threads (absent where the kernel gives none).
     pub hw: crate::hwcount::HwStats,
 }
@@ -448,6 +452,33 @@ struct Slot {
     reasoning_capped: bool,
     /// Draft state when this sequence is decoded speculatively.
     spec: Option<SpecSeq>,
+    /// Tokens emitted so far (the sequence's KV holds the prompt, then these).
+    out: Vec<i32>,
+}
+
+/// KV a finished sequence left in its slot: its tokens (prompt, then answer) at positions
+/// `0..tokens.len()`, reusable by a request of the same cache scope.
+struct Resident {
+    tokens: Vec<i32>,
+    scope: String,
+    /// Age stamp of its last use (lower = older, handed out first).
+    used: u64,
+}
+
+/// Length of the common leading run of `a` and `b`.
+fn common_prefix(a: &[i32], b: &[i32]) -> usize {
+    a.iter().zip(b).take_while(|(x, y)| x == y).count()
+}
+
+/// Tokens a slot's KV holds that are known to be its prompt followed by its output:
+/// the prefilled prompt, and once generating, every emitted token but the last (which
+/// is either not fed yet or, in a speculative round, may sit over a rejected draft).
+fn kept_tokens(prefilled: usize, prompt_len: usize, generated: usize) -> usize {
+    if generated == 0 {
+        prefilled
+    } else {
+        prompt_len + generated - 1
+    }
 }
 
 /// The draft model's context, on the engine thread next to the target's.
@@ -515,6 +546,9 @@ struct Loop<'m> {
     draft: Option<Draft<'m>>,
     /// Hardware counters of this thread and llama.cpp's, when the kernel gives them.
     hw: Option<crate::hwcount::HwCounters>,
+    /// KV kept in each free slot by its last sequence (`EngineConfig::keep_resident`).
+    resident: Vec<Option<Resident>>,
+    keep_resident: bool,
 }
 
 impl<'m> Loop<'m> {
@@ -544,6 +578,8 @@ impl<'m> Loop<'m> {
             think: think_tokens(model),
             draft,
             hw: None,
+            resident: (0..cfg.n_seq_max).map(|_| None).collect(),
+            keep_resident: cfg.keep_resident && !cfg.kv_unified,
         }
     }
 
@@ -602,9 +638,9 @@ impl<'m> Loop<'m> {
     fn admit(&mut self) {
         let mut i = 0;
         while i < self.waiting.len() {
-            let Some(seq) = self.slots.iter().position(Option::is_none) else {
+            if self.slots.iter().all(Option::is_some) {
                 break;
-            };
+            }
             let p = &self.waiting[i];
             if self.reserved + p.reserve > self.n_ctx {
                 break;
@@ -636,15 +672,23 @@ impl<'m> Loop<'m> {
                 .fetch_add(p.reserve, Ordering::Relaxed);
             self.stats.active.fetch_add(1, Ordering::Relaxed);
             let stop = StopMatcher::new(&p.req.stop);
+            let (seq, in_place) = self.take_slot(&p.req.prompt, &p.req.cache_scope);
             let (pages, prefilled) = match &mut self.kv {
-                Some(kv) => {
-                    let plan =
-                        kv.restore(&mut self.ctx, seq as i32, &p.req.prompt, &p.req.cache_scope);
-                    let n = plan.restored * kv.block();
-                    (plan, n)
-                }
-                None => (PromptPages::default(), 0),
+                Some(kv) => kv.restore(
+                    &mut self.ctx,
+                    seq as i32,
+                    &p.req.prompt,
+                    &p.req.cache_scope,
+                    in_place,
+                ),
+                None => (PromptPages::default(), in_place),
             };
+            if in_place > 0 && prefilled == in_place {
+                self.stats.resident_hits.fetch_add(1, Ordering::Relaxed);
+                self.stats
+                    .resident_tokens
+                    .fetch_add(in_place as u64, Ordering::Relaxed);
+            }
             for id in pages.pending() {
                 *self.pending.entry(*id).or_default() += 1;
             }
@@ -679,9 +723,53 @@ impl<'m> Loop<'m> {
                 reasoning_tokens: 0,
                 reasoning_capped: false,
                 spec,
+                out: Vec::new(),
             });
             self.next_age += 1;
         }
+    }
+
+    /// Picks a free slot for a prompt (there is one): the one whose kept KV shares the
+    /// longest prefix with it, else the one kept longest unused (empty ones first). Cuts
+    /// the slot's KV to the shared part; returns the slot and the tokens kept in place
+    /// (at most `prompt.len() - 1`: the last prompt token is always prefilled for its logits).
+    fn take_slot(&mut self, prompt: &[i32], scope: &str) -> (usize, usize) {
+        let limit = prompt.len().saturating_sub(1);
+        let mut best: Option<(usize, usize, u64)> = None;
+        for (i, slot) in self.slots.iter().enumerate() {
+            if slot.is_some() {
+                continue;
+            }
+            let (shared, used) = match &self.resident[i] {
+                Some(r) if r.scope == scope => {
+                    (common_prefix(&r.tokens, prompt).min(limit), r.used + 1)
+                }
+                Some(r) => (0, r.used + 1),
+                None => (0, 0),
+            };
+            if best.is_none_or(|(_, m, u)| shared > m || (shared == m && used < u)) {
+                best = Some((i, shared, used));
+            }
+        }
+        let (slot, mut shared, _) = best.expect("admit checked for a free slot");
+        if self.resident[slot].take().is_some() {
+            let cut = self
+                .ctx
+                .clear_kv_cache_seq(Some(slot as u32), Some(shared as u32), None)
+                .unwrap_or(false);
+            if !cut {
+                // A memory that cannot drop a suffix (recurrent models): start over.
+                let _ = self.ctx.clear_kv_cache_seq(Some(slot as u32), None, None);
+                shared = 0;
+            }
+        }
+        (slot, shared)
+    }
+
+    /// Forgets what a slot keeps (its KV state is not known to match its tokens).
+    fn forget(&mut self, slot: usize) {
+        self.resident[slot] = None;
+        let _ = self.ctx.clear_kv_cache_seq(Some(slot as u32), None, None);
     }
 
     fn sampler(&self, req: &GenerateRequest) -> Result<LlamaSampler, TierError> {
@@ -742,7 +830,26 @@ impl<'m> Loop<'m> {
         let mut s = self.slots[i].take()?;
         self.unpend(&s);
         s.pages.clear_pending();
-        let _ = self.ctx.clear_kv_cache_seq(Some(i as u32), None, None);
+        let prompt_len = s.req.prompt.len();
+        let keep = kept_tokens(s.prefilled, prompt_len, s.generated);
+        let kept = self.keep_resident
+            && keep > 0
+            && self
+                .ctx
+                .clear_kv_cache_seq(Some(i as u32), Some(keep as u32), None)
+                .unwrap_or(false);
+        if kept {
+            let mut tokens = s.req.prompt[..keep.min(prompt_len)].to_vec();
+            tokens.extend_from_slice(&s.out[..keep.saturating_sub(prompt_len)]);
+            self.resident[i] = Some(Resident {
+                tokens,
+                scope: s.req.cache_scope.clone(),
+                used: self.next_age,
+            });
+            self.next_age += 1;
+        } else {
+            self.forget(i);
+        }
         if let Some(d) = &mut self.draft {
             let _ = d.ctx.clear_kv_cache_seq(Some(i as u32), None, None);
         }
@@ -850,7 +957,9 @@ impl<'m> Loop<'m> {
                 .collect();
             failed.dedup();
             for slot in failed {
-                if let Some(s) = self.free(slot) {
+                let freed = self.free(slot);
+                self.forget(slot);
+                if let Some(s) = freed {
                     let _ = s
                         .events
                         .send(TokenEvent::Error(format!("decode failed: {e}")));
@@ -1075,6 +1184,7 @@ impl<'m> Loop<'m> {
     fn emit(&mut self, slot: usize, tok: LlamaToken, margin: f32) -> bool {
         let model = self.model;
         let s = self.slots[slot].as_mut().expect("emitting slot exists");
+        s.out.push(tok.0);
         if let Some(sp) = &mut s.spec {
             sp.out.push(tok.0);
         }

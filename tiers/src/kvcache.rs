@@ -4,7 +4,9 @@
 //!
 //! ```text
 //! admit:   prompt ─▶ chain(salt, prompt[..len-1], B) ─▶ store.longest_prefix ─▶ assemble ─▶ state_seq_set
-//!          (≥ 1 prompt token is always prefilled, for the logits of the first output token)
+//!          (≥ 1 prompt token is always prefilled, for the logits of the first output token;
+//!          skipped when the slot already holds as much of the prompt in place, kept from
+//!          its previous request: see `EngineConfig::keep_resident`)
 //! publish: after the last prompt chunk: state_seq_get ─▶ parse ─▶ page i for each new full block ─▶ store.put
 //! ```
 //! A restore that llama.cpp rejects clears the sequence and the prompt is prefilled from
@@ -149,38 +151,51 @@ impl KvCache {
         s
     }
 
-    /// Restores the longest stored prefix of `prompt` into `seq`; returns the page plan
-    /// (how many tokens are already in the sequence = `restored * block`).
+    /// Restores the longest stored prefix of `prompt` into `seq`, unless the sequence
+    /// already holds at least as much of it in place (`in_place` leading tokens, kept from
+    /// the slot's previous request). Returns the page plan and how many prompt tokens the
+    /// sequence now holds (`restored * block` after a restore, else `in_place`).
     pub fn restore(
         &mut self,
         ctx: &mut LlamaContext<'_>,
         seq: i32,
         prompt: &[i32],
         scope: &str,
-    ) -> PromptPages {
+        in_place: usize,
+    ) -> (PromptPages, usize) {
         let salt = self.salt(scope);
         let ids = chain(&salt, prompt, self.block);
         self.stats.lookups.fetch_add(1, Relaxed);
         // Leave at least one prompt token to prefill: its logits give the first output token.
-        let usable = (prompt.len().saturating_sub(1)) / self.block;
-        let pages = self
-            .store
-            .longest_prefix(&ids[..usable.min(ids.len())], &salt);
+        let usable = ((prompt.len().saturating_sub(1)) / self.block).min(ids.len());
         let mut plan = PromptPages {
             ids,
             restored: 0,
             salt: Some(salt),
             published: false,
         };
-        if pages.is_empty() {
-            return plan;
+        // Pages the sequence holds in place need no restore (nor publishing when stored).
+        let stored = plan.ids[..usable]
+            .iter()
+            .take_while(|id| self.store.contains(id))
+            .count();
+        if stored * self.block <= in_place {
+            plan.restored = stored;
+            return (plan, in_place);
         }
+        let pages = self.store.longest_prefix(&plan.ids[..usable], &salt);
+        if pages.len() * self.block <= in_place {
+            plan.restored = pages.len();
+            return (plan, in_place);
+        }
+        // The restore replaces whatever the sequence held.
+        let _ = ctx.clear_kv_cache_seq(Some(seq as u32), None, None);
         let refs: Vec<&[u8]> = pages.iter().map(|p| p.as_ref()).collect();
         let blob = match codec::assemble(&self.layout, &refs, self.block, self.layout.n_stream) {
             Ok(b) => b,
             Err(e) => {
                 warn!(error = %e, "assembling cached pages failed; recomputing the prefix");
-                return plan;
+                return (plan, 0);
             }
         };
         // SAFETY: `seq` < n_seq_max (it is a slot index) and the blob was built for this
@@ -207,7 +222,8 @@ impl KvCache {
             );
             let _ = ctx.clear_kv_cache_seq(Some(seq as u32), None, None);
         }
-        plan
+        let held = plan.restored * self.block;
+        (plan, held)
     }
 
     /// Whether the request should wait for pages a running sequence is about to publish

@@ -1,6 +1,8 @@
 //! Prefix KV pages on the bundled t1: a restored prefix continues exactly like a
 //! fresh prefill (greedy), identical prefixes are stored once, corrupt pages are
 //! refused, pages on disk survive a restart, an unwritable disk degrades to RAM.
+//! And KV kept in a slot after a request: the next turn of a conversation reuses it in
+//! place with the same tokens as a fresh prefill, only within its cache scope.
 
 use std::sync::atomic::Ordering::Relaxed;
 use std::time::Duration;
@@ -24,6 +26,8 @@ fn engine(block: usize, disk: Option<std::path::PathBuf>, n_seq_max: u32) -> Eng
         n_batch: 1024,
         prefill_chunk: 512,
         threads: 2,
+        // These tests are about pages: a slot's kept KV would serve repeats in place.
+        keep_resident: false,
         kv_pages: KvPagesConfig {
             block,
             ram_bytes: 64 << 20,
@@ -79,11 +83,16 @@ fn prompts(e: &Engine) -> Vec<Vec<i32>> {
 }
 
 async fn run(e: &Engine, prompt: &[i32]) -> Vec<i32> {
+    run_in(e, prompt, "").await
+}
+
+async fn run_in(e: &Engine, prompt: &[i32], scope: &str) -> Vec<i32> {
     let mut rx = e
         .submit(GenerateRequest {
             prompt: prompt.to_vec(),
             max_tokens: 48,
             ignore_eos: true,
+            cache_scope: scope.into(),
             ..Default::default()
         })
         .unwrap();
@@ -218,4 +227,62 @@ async fn disk_pages_survive_restart_and_corruption_is_refused() {
     let p = e.pages().unwrap();
     assert_eq!(p.store.stats().disk_degraded.load(Relaxed), 1);
     assert!(p.reuse.hits.load(Relaxed) >= 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kept_kv_serves_the_next_turn_in_place() {
+    let fresh = engine(0, None, 2);
+    let ps = prompts(&fresh);
+    // Two conversations: turn 1, then turn 2 = turn 1's prompt + its answer + a follow-up.
+    let follow = fresh.tokenize("<|end|><|user|>And tomorrow?<|end|><|assistant|>");
+    let mut turn1 = vec![];
+    let mut turn2 = vec![];
+    for p in &ps[..2] {
+        let a = run(&fresh, p).await;
+        let mut next = p.clone();
+        next.extend(&a);
+        next.extend(&follow);
+        turn2.push(run(&fresh, &next).await);
+        turn1.push((p.clone(), a, next));
+    }
+    drop(fresh);
+
+    let e = Engine::start(EngineConfig {
+        name: "t1".into(),
+        model: model(),
+        n_ctx: 4096 * 2,
+        n_seq_max: 2,
+        threads: 2,
+        kv_pages: KvPagesConfig {
+            block: 0,
+            ..KvPagesConfig::default()
+        },
+        ..EngineConfig::default()
+    })
+    .unwrap();
+    let stats = e.stats().clone();
+    // Both first turns at once (one per slot), then both second turns at once: each
+    // finds its own conversation kept in a slot.
+    let firsts: Vec<_> = turn1.iter().map(|(p, _, _)| run(&e, p)).collect();
+    for (got, (_, a, _)) in futures::future::join_all(firsts).await.iter().zip(&turn1) {
+        assert_eq!(got, a, "turn 1");
+    }
+    assert_eq!(stats.resident_hits.load(Relaxed), 0);
+    let seconds: Vec<_> = turn1.iter().map(|(_, _, next)| run(&e, next)).collect();
+    let got = futures::future::join_all(seconds).await;
+    assert_eq!(got, turn2, "turn 2 from kept KV equals a fresh prefill");
+    assert_eq!(stats.resident_hits.load(Relaxed), 2);
+    // Each kept its prompt and all of its answer but the last token.
+    let kept: usize = turn1.iter().map(|(p, a, _)| p.len() + a.len() - 1).sum();
+    assert_eq!(stats.resident_tokens.load(Relaxed) as usize, kept);
+
+    // Another cache scope (another tool-access set) never reuses what this one left.
+    let before = stats.prompt_tokens.load(Relaxed);
+    assert_eq!(run_in(&e, &turn1[0].2, "other-tools").await, turn2[0]);
+    assert_eq!(stats.resident_hits.load(Relaxed), 2);
+    assert_eq!(
+        (stats.prompt_tokens.load(Relaxed) - before) as usize,
+        turn1[0].2.len(),
+        "prefilled from scratch"
+    );
 }
