@@ -47,6 +47,9 @@ pub(crate) struct ServerArgs {
     /// llama-server binary (build it with `scripts/build-llama-server.sh`).
     #[arg(long, default_value = ".cache/llama-server/bin/llama-server")]
     pub(crate) llama_server: PathBuf,
+    /// Extra `mesh up` argument (repeatable), e.g. `--mesh-arg=--no-keep-resident`.
+    #[arg(long = "mesh-arg", value_name = "ARG", allow_hyphen_values = true)]
+    pub(crate) mesh_extra: Vec<String>,
     /// Give llama-server one unified KV buffer as mesh has (default: its per-slot buffers).
     #[arg(long)]
     pub(crate) llama_kv_unified: bool,
@@ -99,6 +102,7 @@ impl ServerArgs {
         ]
         .map(String::from)
         .to_vec();
+        v.extend_from_slice(&self.mesh_extra);
         v.extend_from_slice(extra);
         v
     }

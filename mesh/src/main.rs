@@ -156,6 +156,10 @@ struct UpArgs {
     /// Tokens per KV page (0 turns prefix pages off).
     #[arg(long)]
     kv_block: Option<usize>,
+    /// Do not keep a finished sequence's KV in its slot for the next request
+    /// (`keep_resident = false`): every prompt then restores from pages or prefills.
+    #[arg(long)]
+    no_keep_resident: bool,
 }
 
 fn node_config(a: &UpArgs) -> anyhow::Result<NodeConfig> {
@@ -204,6 +208,9 @@ fn node_config(a: &UpArgs) -> anyhow::Result<NodeConfig> {
         }
         if let Some(b) = a.kv_block {
             t.kv_pages.block = b;
+        }
+        if a.no_keep_resident {
+            t.keep_resident = false;
         }
     }
     Ok(cfg)
