@@ -163,8 +163,9 @@ pub(crate) async fn run(a: PrefixArgs) -> Result<()> {
         .start(&a.out, &kv_block, &mut servers, &ProgressBar::hidden())
         .await?;
     let bases: Vec<String> = servers.iter().map(|s| s.base_url.clone()).collect();
-    // Warm-up on a prefix no repetition uses.
-    let warm = shared_prefix(&catalog, 1000, a.prefix_tools);
+    // Warm-up on a prefix no repetition uses (repetition r starts at catalog entry 37 r mod
+    // the catalog's length: distinct for r below it when the length is coprime to 37).
+    let warm = shared_prefix(&catalog, a.reps, a.prefix_tools);
     for b in &bases {
         workload::one_request(
             &client,
