@@ -224,7 +224,7 @@ pub(crate) fn page(
                 let stem = file_stem(path);
                 md.push_str("## Multi-turn agent sessions\n\n");
                 md.push_str(&format!(
-                    "{} concurrent sessions × {} turns; turn n sends the whole conversation so far (system prompt with {} tool schemas, earlier user messages and the replies that server returned, a new user message), so each prompt extends the previous one. {} tokens per reply (EOS ignored, temperature 0), {} repetitions per target. mesh reuses the conversation from its KV pages; llama-server from its slot prompt cache (`cache_prompt`). Source: `{path}`.\n\n",
+                    "{} concurrent sessions × {} turns; turn n sends the whole conversation so far (system prompt with {} tool schemas, earlier user messages and the replies that server returned, a new user message), so each prompt extends the previous one. {} tokens per reply (EOS ignored, temperature 0), {} repetitions per target. mesh reuses the conversation from the KV kept in its slot (or its KV pages); llama-server from its slot prompt cache (`cache_prompt`). Source: `{path}`.\n\n",
                     st["sessions"], st["turns"], st["tools_per_session"], st["max_tokens"], st["reps"],
                 ));
                 let per_turn = |t: usize| -> Vec<(f64, f64)> {
