@@ -85,6 +85,11 @@ impl Role {
         }
     }
 
+    /// The role named `name` (as [`Role::as_str`] writes it).
+    pub fn from_name(name: &str) -> Option<Self> {
+        Role::ALL.into_iter().find(|r| r.as_str() == name)
+    }
+
     /// The name in the policy file and in metrics (`tool_calls`).
     pub fn as_str(self) -> &'static str {
         match self {

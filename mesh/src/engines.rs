@@ -303,7 +303,9 @@ impl Engines {
         let row = |id: &str, tier: &str, gguf: String, kv: KvType, e: &TierEntry, state: &str| {
             let s = &e.desc.stats;
             json!({"id": id, "tier": tier, "gguf": gguf, "kv_type": kv_name(kv), "state": state,
-                   "active": s.active.load(Relaxed), "queued": s.queued.load(Relaxed)})
+                   "active": s.active.load(Relaxed), "queued": s.queued.load(Relaxed),
+                   "prompt_tokens": s.prompt_tokens.load(Relaxed),
+                   "generated_tokens": s.generated_tokens.load(Relaxed)})
         };
         let mut out = vec![];
         for (name, c) in &self.tiers {

@@ -356,6 +356,8 @@ struct Job {
     engine: Option<EngineInfo>,
     /// Keeps a variant engine from being stopped until the response ends.
     _lease: Option<Arc<()>>,
+    /// What the request is for (quantization policy); a peer serving it picks its engine by it.
+    role: RequestRole,
 }
 
 impl AppState {
@@ -604,7 +606,7 @@ async fn submit(
     state
         .dispatcher
         .clone()
-        .dispatch(target, job.model.clone(), job.req.clone())
+        .dispatch(target, job.model.clone(), job.req.clone(), job.role)
         .await
         .map_err(|e| match e {
             StartError::Tier(e) => ApiError::from_tier(e, retry),
@@ -1021,6 +1023,7 @@ pub(crate) async fn chat_with(
             _permit: Some(permit),
             engine,
             _lease: lease,
+            role,
         };
         let rx = submit(state, tier, &job)
             .instrument(info_span!("tier.submit"))
@@ -1244,6 +1247,7 @@ async fn cascade_chat(
             _permit: None,
             engine,
             _lease: lease,
+            role,
         };
         let c = async {
             let rx = submit(state, target, &job).await?;
@@ -1324,6 +1328,7 @@ async fn cascade_chat(
             _permit: Some(permit),
             engine: None,
             _lease: None,
+            role: RequestRole::Summaries,
         };
         let timed = Timed {
             rx,
@@ -1573,7 +1578,7 @@ async fn completions_inner(state: &AppState, body: &[u8]) -> Result<Response, Ap
             ignore_eos: r.ignore_eos,
             ..Default::default()
         };
-        let job = Job { model: r.model.clone(), req, _permit: Some(permit), engine, _lease: lease };
+        let job = Job { model: r.model.clone(), req, _permit: Some(permit), engine, _lease: lease, role: RequestRole::Summaries };
         let rx = submit(state, tier, &job).await?;
         let mut timed = Timed { rx, model: job.model.clone(), metrics: state.metrics.clone(), arrived, last: None, queued_ms: 0 };
         if !r.stream {

@@ -143,8 +143,10 @@ mod node_run {
                 let ccfg = cs.to_cluster_config(addr.to_string());
                 let endpoint =
                     mesh_transport::Endpoint::bind(&identity, cs.listen, &ccfg.transport)?;
-                let service =
-                    std::sync::Arc::new(crate::remote::NodeService::new(registry.clone()));
+                let service = std::sync::Arc::new(
+                    crate::remote::NodeService::new(registry.clone())
+                        .with_quantization(engines.clone(), tuner.clone()),
+                );
                 let c = mesh_actors::Cluster::start(endpoint, ccfg, service)
                     .await
                     .map_err(|e| anyhow::anyhow!("joining the cluster: {e}"))?;

@@ -132,7 +132,8 @@ struct UpArgs {
     #[arg(long, conflicts_with = "listen")]
     port: Option<u16>,
     /// Tier to host, as NAME=PATH.gguf (repeatable); replaces the configured tiers.
-    #[arg(long = "tier", value_name = "NAME=PATH")]
+    // Its own id: `mesh join` flattens these flags beside its `--tiers`.
+    #[arg(long = "tier", id = "tier", value_name = "NAME=PATH")]
     tiers: Vec<String>,
     /// Only these tier names from the config or the bundled set (comma-separated).
     #[arg(long, value_delimiter = ',')]

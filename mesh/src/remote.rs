@@ -15,6 +15,7 @@ use futures::future::BoxFuture;
 use mesh_actors::routing::{self, Candidate};
 use mesh_actors::wire::{self, ErrorClass, Event, GenerateCall, Header, RemoteError, TierAdvert};
 use mesh_actors::{CallError, Cluster, InflightGuard};
+use mesh_control::policy::Role;
 use mesh_tiers::actor::TierMsg;
 use mesh_tiers::{FinishReason, GenerateRequest, SamplingParams, TierError, TokenEvent, Usage};
 use std::sync::atomic::Ordering::Relaxed;
@@ -32,6 +33,21 @@ pub const MAX_ATTEMPTS: usize = 4;
 pub struct NodeService {
     registry: Registry,
     cluster: Arc<OnceLock<Cluster>>,
+    quant: Option<QuantRoute>,
+}
+
+/// This node's quantization policy and engines: a peer's call runs on the engine the
+/// policy gives its role (`GenerateCall.role`) on the tier, as a local request would.
+#[derive(Clone)]
+struct QuantRoute {
+    engines: Arc<crate::engines::Engines>,
+    tuner: Arc<crate::control_api::Tuner>,
+}
+
+impl std::fmt::Debug for QuantRoute {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("QuantRoute")
+    }
 }
 
 impl NodeService {
@@ -40,7 +56,18 @@ impl NodeService {
         Self {
             registry,
             cluster: Arc::new(OnceLock::new()),
+            quant: None,
         }
+    }
+
+    /// Picks the engine of each call by its role under the live policy of `tuner`.
+    pub fn with_quantization(
+        mut self,
+        engines: Arc<crate::engines::Engines>,
+        tuner: Arc<crate::control_api::Tuner>,
+    ) -> Self {
+        self.quant = Some(QuantRoute { engines, tuner });
+        self
     }
 
     /// Gives the service its cluster (for pulling pages from peers); set once after joining.
@@ -219,10 +246,21 @@ impl mesh_actors::Service for NodeService {
         call: GenerateCall,
     ) -> BoxFuture<'static, Result<mpsc::UnboundedReceiver<Event>, RemoteError>> {
         let entry = self.registry.get(&call.model).map(|e| e.value().clone());
+        // The engine this node's quantization policy gives the call's role (the tier's own
+        // when the policy names none, or the caller sent no role).
+        let (entry, lease, engine) = match (&self.quant, entry, Role::from_name(&call.role)) {
+            (Some(q), Some(e), Some(role)) => {
+                let policy = q.tuner.live.load().policy.clone();
+                let p = q.engines.pick(&policy.quantization, role, &call.model, e);
+                (Some(p.entry), p.lease, Some(p.info.gguf))
+            }
+            (_, e, _) => (e, None, None),
+        };
         let (registry, cluster) = (self.registry.clone(), self.cluster.clone());
         Box::pin(async move {
             let span = info_span!("tier.generate", gen_ai.request.model = %call.model,
                 gen_ai.operation.name = "chat", mesh.remote = true, mesh.request_id = %call.request_id,
+                mesh.role = %call.role, mesh.engine = engine.as_deref().unwrap_or(""),
                 gen_ai.usage.input_tokens = call.prompt.len(), gen_ai.usage.output_tokens = tracing::field::Empty);
             let _ = span.set_parent(extract_context(&call.trace));
             prefetch(
@@ -250,6 +288,8 @@ impl mesh_actors::Service for NodeService {
             let (tx, out) = mpsc::unbounded_channel();
             tokio::spawn(
                 async move {
+                    // A variant engine stays up until this stream ends.
+                    let _lease = lease;
                     while let Some(ev) = rx.recv().await {
                         if let TokenEvent::Done { usage, .. } = &ev {
                             tracing::Span::current()
@@ -317,8 +357,9 @@ impl mesh_actors::Service for NodeService {
 }
 
 /// A request as it crosses the wire.
-pub fn to_call(model: &str, req: &GenerateRequest, deadline: Duration) -> GenerateCall {
+pub fn to_call(model: &str, req: &GenerateRequest, deadline: Duration, role: Role) -> GenerateCall {
     GenerateCall {
+        role: role.as_str().to_owned(),
         model: model.to_owned(),
         prompt: req.prompt.clone(),
         max_tokens: req.max_tokens as u32,
@@ -669,6 +710,7 @@ impl Dispatcher {
         target: &Target,
         model: &str,
         req: &GenerateRequest,
+        role: Role,
     ) -> Result<(Source, Option<InflightGuard>), StartError> {
         match target {
             Target::Local(e) => {
@@ -690,7 +732,7 @@ impl Dispatcher {
             Target::Remote { node, .. } => {
                 let cluster = self.cluster.as_ref().expect("remote target has a cluster");
                 let guard = cluster.track(node, model);
-                let call = to_call(model, req, Duration::from_secs(600));
+                let call = to_call(model, req, Duration::from_secs(600), role);
                 let rx = cluster
                     .generate(node, call)
                     .await
@@ -715,11 +757,12 @@ impl Dispatcher {
         first: Target,
         model: String,
         req: GenerateRequest,
+        role: Role,
     ) -> Result<mpsc::UnboundedReceiver<TokenEvent>, StartError> {
         let mut exclude: Vec<String> = vec![];
         let mut target = first;
         let (mut src, mut guard) = loop {
-            match self.start(&target, &model, &req).await {
+            match self.start(&target, &model, &req, role).await {
                 Ok(s) => break s,
                 Err(e) if e.retryable() && exclude.len() + 1 < MAX_ATTEMPTS => {
                     let node = self.node_of(&target);
@@ -770,7 +813,7 @@ impl Dispatcher {
                             let Ok(t) = me.route(&model, &exclude, true) else {
                                 break;
                             };
-                            match me.start(&t, &model, &req).await {
+                            match me.start(&t, &model, &req, role).await {
                                 Ok((s, g)) => {
                                     target = t;
                                     src = s;

@@ -475,3 +475,114 @@ fn a_state_file_naming_a_missing_variant_stops_the_node_with_its_path() {
         "{log}"
     );
 }
+
+/// A request forwarded to a peer carries its role (`GenerateCall.role`, wire version 3): the
+/// peer runs it on the engine its own policy gives that role, and holds that engine while
+/// the stream lasts. Node b hosts t1 with tool calls on a q4_0 variant; node a hosts no
+/// tier, so every request through a's gateway is served by b.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_peer_serves_a_forwarded_request_on_the_engine_its_policy_gives_the_role() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let t1 = d.join("t1-q8_0.gguf");
+    std::os::unix::fs::symlink(root().join("models/t1-q8_0.gguf"), &t1).unwrap();
+    let t1s = t1.display().to_string();
+    let out = mesh(&[
+        "quantize",
+        "--model",
+        &t1s,
+        "--type",
+        "q4_0",
+        "--threads",
+        "1",
+    ]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let file = d.join("policy.json");
+    let state = json!({"format": 1, "version": 0, "history": [],
+        "policy": {"quantization": {"tool_calls": {"t1": {"gguf": "q4_0"}}}}});
+    std::fs::write(&file, state.to_string()).unwrap();
+    let config = d.join("node.toml");
+    let toml = format!("[tuner]\nstate_file = {:?}\n", file.display().to_string());
+    std::fs::write(&config, toml).unwrap();
+    let certs = d.join("certs");
+    let c_dir = certs.display().to_string();
+    assert!(mesh(&["cert", "init", "--dir", &c_dir]).status.success());
+    for n in ["a", "b"] {
+        assert!(mesh(&["cert", "issue", n, "--dir", &c_dir])
+            .status
+            .success());
+    }
+    let tier = format!("t1={t1s}");
+    let b = Node::start(
+        "b",
+        &certs,
+        &[],
+        "t1",
+        &["--config", &config.display().to_string(), "--tier", &tier],
+    )
+    .expect("b starts");
+    let a = Node::start("a", &certs, &[&b.quic], "none", &[]).expect("a joins");
+    let c = reqwest::Client::builder()
+        .timeout(Duration::from_secs(120))
+        .build()
+        .unwrap();
+    let t0 = Instant::now();
+    loop {
+        let (_, v) = call(
+            &c,
+            reqwest::Method::GET,
+            format!("{}/v1/cluster", a.http),
+            None,
+        )
+        .await;
+        let hosts =
+            v["members"].as_array().into_iter().flatten().any(|m| {
+                m["node"] == "b" && m["state"] == "alive" && m["tiers"][0]["name"] == "t1"
+            });
+        if hosts {
+            break;
+        }
+        assert!(
+            t0.elapsed() < Duration::from_secs(30),
+            "a never saw b's t1: {v}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let tokens = |list: &[Value], gguf: &str| -> u64 {
+        list.iter()
+            .find(|e| e["gguf"] == gguf)
+            .unwrap_or_else(|| panic!("no {gguf} engine: {list:?}"))["prompt_tokens"]
+            .as_u64()
+            .unwrap()
+    };
+    let before = engines(&c, &b.http).await;
+    assert_eq!(before.len(), 2, "b runs t1 and its variant: {before:?}");
+    let (own0, variant0) = (
+        tokens(&before, "t1-q8_0.gguf"),
+        tokens(&before, "t1-q4_0.gguf"),
+    );
+
+    // A tool call through a: served by b on the q4_0 variant, and it parses.
+    let v = chat(&c, &a.http, request("tool_calls", false, false)).await;
+    assert!(
+        v["choices"][0]["message"]["tool_calls"][0]["function"]["name"].is_string(),
+        "{v}"
+    );
+    let after = engines(&c, &b.http).await;
+    assert!(tokens(&after, "t1-q4_0.gguf") > variant0, "{after:?}");
+    assert_eq!(tokens(&after, "t1-q8_0.gguf"), own0, "{after:?}");
+
+    // A plain answer through a: the policy names no engine for summaries, so t1's own.
+    chat(&c, &a.http, request("summaries", false, false)).await;
+    let last = engines(&c, &b.http).await;
+    assert!(tokens(&last, "t1-q8_0.gguf") > own0, "{last:?}");
+    assert_eq!(
+        tokens(&last, "t1-q4_0.gguf"),
+        tokens(&after, "t1-q4_0.gguf"),
+        "{last:?}"
+    );
+}

@@ -75,9 +75,23 @@ fn parse_args() -> Args {
         n_ctx: 4096,
         outputs: None,
     };
+    const USAGE: &str = "usage: cascade_eval [--tiers t1,t2,t3 | NAME=PATH.gguf,...] [--eval FILE] \
+        [--out JSON] [--md FILE] [--margins 0,1,2,..] [--budgets 16,8,4|none] [--max-tokens N] \
+        [--threads N] [--limit N] [--k N] [--spec-only] [--grammar] [--n-ctx N] [--outputs FILE.jsonl]";
+    let usage = |why: &str| -> ! {
+        eprintln!("cascade_eval: {why}\n{USAGE}");
+        std::process::exit(2)
+    };
     let mut it = std::env::args().skip(1);
     while let Some(k) = it.next() {
-        let mut v = || it.next().unwrap_or_else(|| panic!("{k} needs a value"));
+        if k == "--help" || k == "-h" {
+            println!("{USAGE}");
+            std::process::exit(0);
+        }
+        let mut v = || {
+            it.next()
+                .unwrap_or_else(|| usage(&format!("{k} needs a value")))
+        };
         match k.as_str() {
             "--tiers" => a.tiers = v().split(',').map(str::to_owned).collect(),
             "--eval" => a.eval = v().into(),
@@ -100,19 +114,20 @@ fn parse_args() -> Args {
             "--grammar" => a.grammar = true,
             "--n-ctx" => a.n_ctx = v().parse().expect("n_ctx"),
             "--outputs" => a.outputs = Some(v().into()),
-            _ => panic!(
-                "usage: cascade_eval [--tiers t1,t2,t3] [--eval FILE] [--out JSON] [--md FILE] \
-                 [--margins 0,1,2,..] [--budgets 16,8,4] [--max-tokens N] [--threads N] [--limit N] \
-                 [--k N] [--spec-only] [--grammar] [--n-ctx N] [--outputs FILE.jsonl]"
-            ),
+            _ => usage(&format!("unknown option {k}")),
         }
     }
     a
 }
 
+/// A tier's GGUF: `NAME=PATH` names it explicitly (e.g. a quantized variant from
+/// `mesh quantize`), a bare name is the bundled `models/NAME-q8_0.gguf`.
 fn model_path(tier: &str) -> PathBuf {
-    PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/../models"))
-        .join(format!("{tier}-q8_0.gguf"))
+    match tier.split_once('=') {
+        Some((_, path)) => PathBuf::from(path),
+        None => PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/../models"))
+            .join(format!("{tier}-q8_0.gguf")),
+    }
 }
 
 /// One tier's greedy run of one task.
