@@ -193,11 +193,9 @@ async fn engine_count(c: &reqwest::Client, base: &str, gguf: &str, kv: &str, rol
         .map_or(0, |v| v.trim().parse().unwrap())
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_policy_reload_moves_tool_calls_to_a_quantized_engine_without_dropping_requests() {
-    let dir = tempfile::tempdir().unwrap();
-    let d = dir.path();
-    // The tier's file in the temp folder, so its variants are made and found next to it.
+/// The bundled t1 linked into `d` with a q4_0 variant made next to it by `mesh quantize`
+/// (where the quantization policy looks); returns the tier's path.
+fn tier_with_q4_variant(d: &Path) -> PathBuf {
     let t1 = d.join("t1-q8_0.gguf");
     std::os::unix::fs::symlink(root().join("models/t1-q8_0.gguf"), &t1).unwrap();
     let t1s = t1.display().to_string();
@@ -215,6 +213,16 @@ async fn a_policy_reload_moves_tool_calls_to_a_quantized_engine_without_dropping
         "{}",
         String::from_utf8_lossy(&out.stderr)
     );
+    t1
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_policy_reload_moves_tool_calls_to_a_quantized_engine_without_dropping_requests() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    // The tier's file in the temp folder, so its variants are made and found next to it.
+    let t1 = tier_with_q4_variant(d);
+    let t1s = t1.display().to_string();
     let variant: PathBuf = d.join("t1-q4_0.gguf");
     let size = |p: &Path| std::fs::metadata(p).unwrap().len();
     assert!(
@@ -484,23 +492,8 @@ fn a_state_file_naming_a_missing_variant_stops_the_node_with_its_path() {
 async fn a_peer_serves_a_forwarded_request_on_the_engine_its_policy_gives_the_role() {
     let dir = tempfile::tempdir().unwrap();
     let d = dir.path();
-    let t1 = d.join("t1-q8_0.gguf");
-    std::os::unix::fs::symlink(root().join("models/t1-q8_0.gguf"), &t1).unwrap();
+    let t1 = tier_with_q4_variant(d);
     let t1s = t1.display().to_string();
-    let out = mesh(&[
-        "quantize",
-        "--model",
-        &t1s,
-        "--type",
-        "q4_0",
-        "--threads",
-        "1",
-    ]);
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
     let file = d.join("policy.json");
     let state = json!({"format": 1, "version": 0, "history": [],
         "policy": {"quantization": {"tool_calls": {"t1": {"gguf": "q4_0"}}}}});
