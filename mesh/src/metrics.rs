@@ -513,8 +513,13 @@ impl Collector for NodeCollector {
             .map(|e| (e.key().clone(), e.value().desc.stats.clone()))
             .collect();
         hw.sort_by(|a, b| a.0.cmp(&b.0));
-        // KV kept in slots between requests (every tier).
-        let resident_counters: [(&str, &str, Stat); 2] = [
+        // KV kept in slots between requests, and grammar refusals (every tier).
+        let resident_counters: [(&str, &str, Stat); 3] = [
+            (
+                "grammar_refusals",
+                "Greedy tokens whose free choice the request's grammar refused (chosen again from the masked vocabulary)",
+                |s| s.grammar_refusals.load(Relaxed),
+            ),
             (
                 "kv_resident_hits",
                 "Requests that reused KV kept in their slot by the previous request",

@@ -40,21 +40,34 @@ fn args() -> Args {
         models: PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/../models")),
         grammar: false,
     };
+    const USAGE: &str =
+        "usage: spec_serving [--prompts N] [--max-tokens N] [--threads N] [--models DIR] [--grammar]";
+    let usage = |why: &str| -> ! {
+        eprintln!("spec_serving: {why}\n{USAGE}");
+        std::process::exit(2)
+    };
     let mut it = std::env::args().skip(1);
     while let Some(k) = it.next() {
-        if k == "--grammar" {
-            a.grammar = true;
-            continue;
+        match k.as_str() {
+            "--grammar" => {
+                a.grammar = true;
+                continue;
+            }
+            "--help" | "-h" => {
+                println!("{USAGE}");
+                std::process::exit(0);
+            }
+            _ => {}
         }
-        let v = it.next().unwrap_or_else(|| panic!("{k} needs a value"));
+        let v = it
+            .next()
+            .unwrap_or_else(|| usage(&format!("{k} needs a value")));
         match k.as_str() {
             "--prompts" => a.prompts = v.parse().expect("--prompts N"),
             "--max-tokens" => a.max_tokens = v.parse().expect("--max-tokens N"),
             "--threads" => a.threads = v.parse().expect("--threads N"),
             "--models" => a.models = v.into(),
-            _ => panic!(
-                "unknown argument {k} (--prompts, --max-tokens, --threads, --models, --grammar)"
-            ),
+            _ => usage(&format!("unknown argument {k}")),
         }
     }
     a

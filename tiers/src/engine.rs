@@ -12,8 +12,6 @@ use llama_cpp_2::llama_backend::LlamaBackend;
 use llama_cpp_2::llama_batch::LlamaBatch;
 use llama_cpp_2::model::params::LlamaModelParams;
 use llama_cpp_2::model::LlamaModel;
-use llama_cpp_2::sampling::LlamaSampler;
-use llama_cpp_2::token::logit_bias::LlamaLogitBias;
 use llama_cpp_2::token::LlamaToken;
 use tokio::sync::mpsc;
 use tracing::{debug, warn};
@@ -21,6 +19,7 @@ use tracing::{debug, warn};
 use crate::chat;
 use crate::kvcache::{KvCache, PromptPages, ReuseStats};
 use crate::plan::{self, SlotView, Work};
+use crate::sampler::RequestSampler;
 use crate::speculative;
 use crate::stop::StopMatcher;
 use crate::{
@@ -90,6 +89,9 @@ pub struct EngineStats {
     pub draft_tokens: AtomicU64,
     /// Drafted tokens the target accepted.
     pub draft_accepted: AtomicU64,
+    /// Greedy tokens whose free choice the request's grammar refused (the vocabulary was
+    /// then masked and the token chosen again).
+    pub grammar_refusals: AtomicU64,
     /// Requests that reused KV kept in their slot by the previous sequence there.
     pub resident_hits: AtomicU64,
     /// Prompt tokens reused in place from a slot's kept KV instead of prefilled.
@@ -438,7 +440,7 @@ struct Slot {
     pages: PromptPages,
     req: GenerateRequest,
     events: mpsc::UnboundedSender<TokenEvent>,
-    sampler: LlamaSampler,
+    sampler: RequestSampler,
     stop: StopMatcher,
     age: u64,
     reserve: usize,
@@ -657,7 +659,7 @@ impl<'m> Loop<'m> {
             }
             let p = self.waiting.remove(i).expect("index in range");
             self.stats.queued.fetch_sub(1, Ordering::Relaxed);
-            let sampler = match self.sampler(&p.req) {
+            let sampler = match RequestSampler::new(self.model, &p.req) {
                 Ok(s) => s,
                 Err(e) => {
                     let _ = p.events.send(TokenEvent::Error(e.to_string()));
@@ -772,46 +774,6 @@ impl<'m> Loop<'m> {
         let _ = self.ctx.clear_kv_cache_seq(Some(slot as u32), None, None);
     }
 
-    fn sampler(&self, req: &GenerateRequest) -> Result<LlamaSampler, TierError> {
-        let s = &req.sampling;
-        let mut chain = Vec::new();
-        if req.ignore_eos {
-            let vocab = self.model.vocab();
-            let bans: Vec<LlamaLogitBias> = (0..self.model.n_vocab())
-                .map(LlamaToken)
-                .filter(|&t| vocab.is_eog(t))
-                .map(|t| LlamaLogitBias::new(t, f32::NEG_INFINITY))
-                .collect();
-            chain.push(LlamaSampler::logit_bias(self.model.n_vocab(), &bans));
-        }
-        if let Some(g) = &req.grammar {
-            let grammar = match &req.grammar_trigger {
-                Some(trigger) => {
-                    let ids = self.model.vocab().tokenize(trigger.as_bytes(), false, true);
-                    if ids.len() == 1 {
-                        LlamaSampler::grammar_lazy(self.model, g, "root", Vec::<&[u8]>::new(), &ids)
-                    } else {
-                        LlamaSampler::grammar_lazy(self.model, g, "root", [trigger.as_bytes()], &[])
-                    }
-                }
-                None => LlamaSampler::grammar(self.model, g, "root"),
-            };
-            chain.push(grammar.map_err(|e| TierError::InvalidRequest(format!("grammar: {e}")))?);
-        }
-        if s.temperature <= 0.0 {
-            chain.push(LlamaSampler::greedy());
-        } else {
-            if s.top_k > 0 {
-                chain.push(LlamaSampler::top_k(s.top_k));
-            }
-            if s.top_p < 1.0 {
-                chain.push(LlamaSampler::top_p(s.top_p, 1));
-            }
-            chain.push(LlamaSampler::temp(s.temperature));
-            chain.push(LlamaSampler::dist(s.seed));
-        }
-        Ok(LlamaSampler::chain_simple(chain))
-    }
 
     /// Removes a slot and releases its KV cells; returns it so the caller can still report.
     /// Drops a slot's claim on the pages it was going to publish.
@@ -1173,7 +1135,13 @@ impl<'m> Loop<'m> {
                 self.stats.reasoning_capped.fetch_add(1, Ordering::Relaxed);
                 close
             }
-            _ => s.sampler.sample(&self.ctx, row),
+            _ => {
+                let (tok, refused) = s.sampler.sample(&self.ctx, row);
+                if refused {
+                    self.stats.grammar_refusals.fetch_add(1, Ordering::Relaxed);
+                }
+                tok
+            }
         };
         (tok, margin)
     }

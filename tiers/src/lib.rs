@@ -40,6 +40,7 @@ pub mod kvcache;
 pub mod plan;
 pub mod quantize;
 mod request;
+mod sampler;
 pub mod speculative;
 pub mod stop;
 

@@ -238,23 +238,26 @@ async fn queue_limit_refuses_with_overloaded() {
     }
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn grammar_makes_tool_calls_parse() {
-    let e = engine(4, 8);
-    let catalog: Vec<serde_json::Value> = std::fs::read_to_string(model("fixtures/catalog.jsonl"))
+/// The first `n` tools of one domain of the bundled catalog.
+fn catalog_tools(domain: &str, n: usize) -> Vec<ToolSpec> {
+    std::fs::read_to_string(model("fixtures/catalog.jsonl"))
         .unwrap()
         .lines()
-        .map(|l| serde_json::from_str(l).unwrap())
-        .collect();
-    let tools: Vec<ToolSpec> = catalog
-        .iter()
-        .filter(|t| t["domain"] == "weather")
+        .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap())
+        .filter(|t| t["domain"] == domain)
+        .take(n)
         .map(|t| ToolSpec {
             name: t["name"].as_str().unwrap().into(),
             description: t["description"].as_str().unwrap().into(),
             parameters: t["parameters"].clone(),
         })
-        .collect();
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn grammar_makes_tool_calls_parse() {
+    let e = engine(4, 8);
+    let tools = catalog_tools("weather", usize::MAX);
     assert!(tools.len() >= 5);
     let grammar = tool_call_grammar(&tools).unwrap();
     let user = "What is the forecast in Oslo for 2026-05-01?";
@@ -345,4 +348,108 @@ async fn reasoning_governor_closes_the_think_block() {
             .load(std::sync::atomic::Ordering::Relaxed)
             >= 1
     );
+}
+
+/// Greedy decoding with the grammar applied to the whole vocabulary at every step (the
+/// plain llama.cpp chain), one sequence, as the reference for the engine's sampler, which
+/// checks the grammar only against the free choice.
+fn grammar_first_greedy(
+    prompt: &[i32],
+    grammar: &str,
+    trigger: Option<&str>,
+    max: usize,
+) -> Vec<i32> {
+    use llama_cpp_2::context::params::LlamaContextParams;
+    use llama_cpp_2::llama_batch::LlamaBatch;
+    use llama_cpp_2::model::params::LlamaModelParams;
+    use llama_cpp_2::model::LlamaModel;
+    use llama_cpp_2::sampling::LlamaSampler;
+    use llama_cpp_2::token::LlamaToken;
+    let be = mesh_tiers::backend();
+    let m = LlamaModel::load_from_file(be, model("t1-q8_0.gguf"), &LlamaModelParams::default())
+        .unwrap();
+    let params = LlamaContextParams::default()
+        .with_n_ctx(std::num::NonZeroU32::new(2048))
+        .with_n_batch(2048)
+        .with_n_threads(2)
+        .with_n_threads_batch(2);
+    let mut ctx = m.new_context(be, params).unwrap();
+    let g = match trigger {
+        Some(t) => {
+            let ids = m.vocab().tokenize(t.as_bytes(), false, true);
+            assert_eq!(ids.len(), 1, "the call tag is one token");
+            LlamaSampler::grammar_lazy(&m, grammar, "root", Vec::<&[u8]>::new(), &ids)
+        }
+        None => LlamaSampler::grammar(&m, grammar, "root"),
+    }
+    .unwrap();
+    let mut s = LlamaSampler::chain_simple([g, LlamaSampler::greedy()]);
+    let mut batch = LlamaBatch::new(2048, 1);
+    for (i, &t) in prompt.iter().enumerate() {
+        batch
+            .add(LlamaToken(t), i as i32, &[0], i + 1 == prompt.len())
+            .unwrap();
+    }
+    ctx.decode(&mut batch).unwrap();
+    let mut out = vec![];
+    let mut pos = prompt.len() as i32;
+    while out.len() < max {
+        let t = s.sample(&ctx, batch.n_tokens() - 1);
+        out.push(t.0);
+        if m.vocab().is_eog(t) {
+            break;
+        }
+        batch.clear();
+        batch.add(t, pos, &[0], true).unwrap();
+        pos += 1;
+        ctx.decode(&mut batch).unwrap();
+    }
+    out
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn greedy_grammar_requests_match_the_grammar_first_chain() {
+    let e = engine(4, 8);
+    let mut tools = catalog_tools("weather", 4);
+    tools.extend(catalog_tools("finance", 2));
+    let grammar = tool_call_grammar(&tools).unwrap();
+    let forced = tool_call_grammar(&tools[tools.len() - 1..]).unwrap();
+    let questions = [
+        "What is the forecast in Oslo for 2026-05-01?",
+        "Get me the stock quote for ACME.",
+        "Is it going to rain in Lima tomorrow?",
+        "Tell me a joke about the weather.",
+    ];
+    let mut checked = 0;
+    for (i, q) in questions.iter().enumerate() {
+        let prompt = e.tokenize(&chat::render_prompt(
+            &[chat::ChatMessage::text(chat::Role::User, *q)],
+            &tools,
+        ));
+        // Lazy (the gateway's form: free text until the call tag), strict from the first
+        // token, and strict to a tool the model would not pick (as `tool_choice` naming a
+        // function does): the model's free choice is then refused and the token masked again.
+        for (g, trigger) in [
+            (&grammar, Some(chat::CALL)),
+            (&grammar, None),
+            (&forced, None),
+        ] {
+            let mut r = req(prompt.clone(), 64);
+            r.grammar = Some(g.clone());
+            r.grammar_trigger = trigger.map(str::to_owned);
+            let got = collect(e.submit(r).unwrap()).await;
+            assert!(got.error.is_none(), "{:?}", got.error);
+            let want = grammar_first_greedy(&prompt, g, trigger, 64);
+            assert_eq!(got.tokens, want, "question {i}, lazy {}", trigger.is_some());
+            checked += 1;
+        }
+    }
+    assert_eq!(checked, 12);
+    // The strict runs start where the model would rather write something else: the
+    // masked path ran, not only the check.
+    let refusals = e
+        .stats()
+        .grammar_refusals
+        .load(std::sync::atomic::Ordering::Relaxed);
+    assert!(refusals > 0, "no token was refused");
 }
