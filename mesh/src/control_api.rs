@@ -619,26 +619,61 @@ async fn put_policy(State(state): State<AppState>, body: Bytes) -> Response {
             None,
         );
     };
-    let before = cy.state.policy.clone();
-    let next = match merged_policy(&before, &body) {
+    let next = match merged_policy(&cy.state.policy, &body) {
         Ok(p) => p,
         Err(msg) => return bad_request(msg, None),
     };
-    if let Err(e) = check_policy(&next) {
-        return bad_request(e, None);
+    match replace_policy(&state, &tuner, &mut cy, next, "PUT /v1/control/policy").await {
+        Ok(v) => Json(v).into_response(),
+        Err(e) => error(e.status, e.kind, e.message, e.param.as_deref()),
     }
+}
+
+/// Why a policy was not put in force.
+#[derive(Debug)]
+pub struct PolicyRefused {
+    status: StatusCode,
+    kind: &'static str,
+    /// What was wrong.
+    pub message: String,
+    param: Option<String>,
+}
+
+impl PolicyRefused {
+    fn bad(message: String, param: Option<String>) -> Self {
+        Self {
+            status: StatusCode::BAD_REQUEST,
+            kind: "invalid_request_error",
+            message,
+            param,
+        }
+    }
+}
+
+/// Puts `next` in force (a `PUT /v1/control/policy` or a SIGHUP, named by `via`): checks
+/// it, starts the engines its quantization names before the swap, journals the decision,
+/// writes the state file, swaps the live policy (requests in flight keep the one they
+/// read) and drains engines no longer named. Nothing changes when it is refused.
+async fn replace_policy(
+    state: &AppState,
+    tuner: &Tuner,
+    cy: &mut CycleState,
+    next: Policy,
+    via: &str,
+) -> Result<Value, PolicyRefused> {
+    let before = cy.state.policy.clone();
+    check_policy(&next).map_err(|e| PolicyRefused::bad(e, None))?;
     let engines = state.engines().clone();
-    let wanted = match engines.resolve(&next.quantization) {
-        Ok(w) => w,
-        Err((msg, param)) => return bad_request(msg, Some(&param)),
-    };
+    let wanted = engines
+        .resolve(&next.quantization)
+        .map_err(|(msg, param)| PolicyRefused::bad(msg, Some(param)))?;
     if let Err(e) = engines.start(&wanted).await {
-        return error(
-            StatusCode::UNPROCESSABLE_ENTITY,
-            "engine_start_failed",
-            format!("the policy needs an engine that could not start: {e}"),
-            Some("quantization"),
-        );
+        return Err(PolicyRefused {
+            status: StatusCode::UNPROCESSABLE_ENTITY,
+            kind: "engine_start_failed",
+            message: format!("the policy needs an engine that could not start: {e}"),
+            param: Some("quantization".into()),
+        });
     }
     let mut changed: Vec<&str> = vec![];
     if next.cascade != before.cascade {
@@ -660,7 +695,7 @@ async fn put_policy(State(state): State<AppState>, body: Bytes) -> Response {
         at,
         rule: "operator".into(),
         rationale: match before.quantization.diff(&next.quantization) {
-            q if q.is_empty() => "policy replaced through PUT /v1/control/policy".into(),
+            q if q.is_empty() => format!("policy replaced through {via}"),
             q => format!("quantization: {}", q.join("; ")),
         },
         knob: if changed.is_empty() {
@@ -672,7 +707,7 @@ async fn put_policy(State(state): State<AppState>, body: Bytes) -> Response {
         after: (version + 1) as f64,
         objective: "none".into(),
         verdict: Verdict::Accept,
-        reason: "PUT /v1/control/policy (no trial)".into(),
+        reason: format!("{via} (no trial)"),
         version,
         tests: vec![],
     };
@@ -684,25 +719,45 @@ async fn put_policy(State(state): State<AppState>, body: Bytes) -> Response {
         if let Ok(old) = engines.resolve(&before.quantization) {
             engines.retire_unused(&old);
         }
-        return error(
-            StatusCode::INTERNAL_SERVER_ERROR,
-            "server_error",
-            format!("writing the policy state file: {e}"),
-            None,
-        );
+        return Err(PolicyRefused {
+            status: StatusCode::INTERNAL_SERVER_ERROR,
+            kind: "server_error",
+            message: format!("writing the policy state file: {e}"),
+            param: None,
+        });
     }
     tuner.live.store(Snapshot::of(&cy.state));
     engines.retire_unused(&wanted);
     let d = cy.state.history.last().cloned().unwrap_or(d);
-    tracing::info!(version = cy.state.version, changed = %d.knob, rationale = %d.rationale, "policy reloaded");
+    tracing::info!(version = cy.state.version, changed = %d.knob, rationale = %d.rationale, via, "policy reloaded");
     tuner.remember(&d);
-    Json(json!({
+    Ok(json!({
         "version": cy.state.version,
         "policy": cy.state.policy,
         "decision": d,
         "engines": engines.list(state.registry()),
     }))
-    .into_response()
+}
+
+/// SIGHUP: reads the policy section of the tuner's state file again (as an operator left
+/// it) and puts it in force as `PUT /v1/control/policy` would, after any running cycle.
+/// Returns the version in force; an unreadable file or a refused policy changes nothing.
+pub async fn reload_state_file(state: &AppState) -> Result<u64, String> {
+    let tuner = state.tuner().clone();
+    let Some(path) = tuner.settings.state_file.clone() else {
+        return Err("no tuner.state_file is configured; nothing to reload".into());
+    };
+    let mut cy = tuner.cycle.lock().await;
+    let read = PolicyState::load(&path)
+        .map_err(|e| e.to_string())?
+        .ok_or_else(|| format!("{} does not exist", path.display()))?;
+    if read.policy == cy.state.policy {
+        return Ok(cy.state.version);
+    }
+    replace_policy(state, &tuner, &mut cy, read.policy, "SIGHUP")
+        .await
+        .map(|_| cy.state.version)
+        .map_err(|e| format!("{}: {}", path.display(), e.message))
 }
 
 /// `current` with the top-level sections of the JSON object `body` in place of its own.
@@ -970,6 +1025,41 @@ pub fn since(now: &Counters, before: &Counters) -> Counters {
             .reasoning_requests
             .saturating_sub(before.reasoning_requests),
         reasoning_capped: now.reasoning_capped.saturating_sub(before.reasoning_capped),
+    }
+}
+
+/// On SIGHUP the node reads its policy state file again and puts the policy in force
+/// (`control_api::reload_state_file`); only with a `tuner.state_file`.
+pub(crate) fn spawn_sighup_reload(state: AppState) -> Option<tokio::task::JoinHandle<()>> {
+    #[cfg(unix)]
+    {
+        state.tuner().settings.state_file.as_ref()?;
+        let mut hup = match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup()) {
+            Ok(s) => s,
+            Err(e) => {
+                tracing::warn!(error = %e, "no SIGHUP handler; reload the policy with PUT /v1/control/policy");
+                return None;
+            }
+        };
+        tracing::info!("SIGHUP reloads the policy state file");
+        Some(tokio::spawn(async move {
+            while hup.recv().await.is_some() {
+                match reload_state_file(&state).await {
+                    Ok(v) => tracing::info!(
+                        version = v,
+                        "SIGHUP: policy state file read; version in force"
+                    ),
+                    Err(e) => {
+                        tracing::warn!(error = %e, "SIGHUP: policy not reloaded; the one in force stays")
+                    }
+                }
+            }
+        }))
+    }
+    #[cfg(not(unix))]
+    {
+        let _ = state;
+        None
     }
 }
 

@@ -175,13 +175,14 @@ mod node_run {
             .with_tuner(tuner)
             .with_engines(engines);
         let periodic = crate::control_api::spawn_periodic(state.clone());
+        let hup = crate::control_api::spawn_sighup_reload(state.clone());
         let app = gateway::router(state);
         let server = tokio::spawn(async move {
             let served = axum::serve(listener, app)
                 .with_graceful_shutdown(shutdown)
                 .await;
-            if let Some(p) = periodic {
-                p.abort();
+            for t in [periodic, hup].into_iter().flatten() {
+                t.abort();
             }
             served
         });

@@ -150,6 +150,15 @@ impl Node {
         let _ = self.child.wait();
     }
 
+    /// Sends a signal by name (`HUP`, `USR1`, ...) and returns at once.
+    pub fn signal(&self, name: &str) {
+        let ok = Command::new("kill")
+            .args([format!("-{name}"), self.child.id().to_string()])
+            .status()
+            .is_ok_and(|s| s.success());
+        assert!(ok, "kill -{name} failed");
+    }
+
     /// SIGTERM, then wait.
     pub fn terminate(&mut self) {
         let _ = Command::new("kill")

@@ -193,6 +193,21 @@ async fn engine_count(c: &reqwest::Client, base: &str, gguf: &str, kv: &str, rol
         .map_or(0, |v| v.trim().parse().unwrap())
 }
 
+/// `<d>/node.toml` naming `file` as the tuner's policy state file.
+fn tuner_config(d: &Path, file: &Path) -> PathBuf {
+    let config = d.join("node.toml");
+    let toml = format!("[tuner]\nstate_file = {:?}\n", file.display().to_string());
+    std::fs::write(&config, toml).unwrap();
+    config
+}
+
+/// `mesh up` of tier t1 at `t1` (1 thread) with `file` as its policy state file.
+fn up_with_policy(d: &Path, t1: &Path, file: &Path) -> Result<Node, String> {
+    let config = tuner_config(d, file).display().to_string();
+    let tier = format!("t1={}", t1.display());
+    Node::up(d, &["--config", &config, "--tier", &tier, "--threads", "1"])
+}
+
 /// The bundled t1 linked into `d` with a q4_0 variant made next to it by `mesh quantize`
 /// (where the quantization policy looks); returns the tier's path.
 fn tier_with_q4_variant(d: &Path) -> PathBuf {
@@ -233,12 +248,7 @@ async fn a_policy_reload_moves_tool_calls_to_a_quantized_engine_without_dropping
     );
 
     let file = d.join("policy.json");
-    let config = d.join("node.toml");
-    std::fs::write(
-        &config,
-        format!("[tuner]\nstate_file = {:?}\n", file.display().to_string()),
-    )
-    .unwrap();
+    let config = tuner_config(d, &file);
     let node = Node::up(
         d,
         &[
@@ -463,19 +473,7 @@ fn a_state_file_naming_a_missing_variant_stops_the_node_with_its_path() {
     let state = json!({"format": 1, "version": 3, "history": [],
         "policy": {"quantization": {"summaries": {"t1": {"gguf": "q5_0"}}}}});
     std::fs::write(&file, state.to_string()).unwrap();
-    let config = d.join("node.toml");
-    let toml = format!("[tuner]\nstate_file = {:?}\n", file.display().to_string());
-    std::fs::write(&config, toml).unwrap();
-    let tier = format!("t1={}", t1.display());
-    let args = [
-        "--config",
-        &config.display().to_string(),
-        "--tier",
-        &tier,
-        "--threads",
-        "1",
-    ];
-    let log = Node::up(d, &args)
+    let log = up_with_policy(d, &t1, &file)
         .map(|_| ())
         .expect_err("the node refuses to start");
     assert!(
@@ -498,9 +496,7 @@ async fn a_peer_serves_a_forwarded_request_on_the_engine_its_policy_gives_the_ro
     let state = json!({"format": 1, "version": 0, "history": [],
         "policy": {"quantization": {"tool_calls": {"t1": {"gguf": "q4_0"}}}}});
     std::fs::write(&file, state.to_string()).unwrap();
-    let config = d.join("node.toml");
-    let toml = format!("[tuner]\nstate_file = {:?}\n", file.display().to_string());
-    std::fs::write(&config, toml).unwrap();
+    let config = tuner_config(d, &file);
     let certs = d.join("certs");
     let c_dir = certs.display().to_string();
     assert!(mesh(&["cert", "init", "--dir", &c_dir]).status.success());
@@ -578,4 +574,100 @@ async fn a_peer_serves_a_forwarded_request_on_the_engine_its_policy_gives_the_ro
         tokens(&after, "t1-q4_0.gguf"),
         "{last:?}"
     );
+}
+
+/// SIGHUP makes a node read its policy state file again: an operator's edit of the policy
+/// section is put in force like a `PUT /v1/control/policy` (engines started, decision
+/// journaled, version up); an unreadable file or a policy naming a missing variant changes
+/// nothing, and the node keeps serving.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sighup_puts_an_edited_state_file_in_force_and_refuses_a_bad_one() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let t1 = tier_with_q4_variant(d);
+    let file = d.join("policy.json");
+    let node = up_with_policy(d, &t1, &file).expect("node starts");
+    let log = d.join(format!("up-{}.log", std::process::id()));
+    let c = reqwest::Client::builder()
+        .timeout(Duration::from_secs(120))
+        .build()
+        .unwrap();
+    let policy = async |c: &reqwest::Client| {
+        call(
+            c,
+            reqwest::Method::GET,
+            format!("{}/v1/control/policy", node.http),
+            None,
+        )
+        .await
+        .1
+    };
+    assert_eq!(policy(&c).await["version"], 0);
+    let refusals = || {
+        std::fs::read_to_string(&log)
+            .unwrap_or_default()
+            .matches("SIGHUP: policy not reloaded")
+            .count()
+    };
+
+    // The operator moves tool calls to the q4_0 variant in the file, then signals.
+    let mut state: Value = serde_json::from_slice(&std::fs::read(&file).unwrap()).unwrap();
+    state["policy"]["quantization"] = json!({"tool_calls": {"t1": {"gguf": "q4_0"}}});
+    std::fs::write(&file, state.to_string()).unwrap();
+    node.signal("HUP");
+    let t0 = Instant::now();
+    while policy(&c).await["version"] != 1 {
+        assert!(t0.elapsed() < Duration::from_secs(30), "SIGHUP not applied");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let now = policy(&c).await;
+    assert_eq!(
+        now["policy"]["quantization"]["tool_calls"]["t1"]["gguf"],
+        "q4_0"
+    );
+    let v = chat(&c, &node.http, request("tool_calls", false, false)).await;
+    assert_eq!(v["mesh"]["engine"]["gguf"], "t1-q4_0.gguf", "{v}");
+    let written: Value = serde_json::from_slice(&std::fs::read(&file).unwrap()).unwrap();
+    assert_eq!(written["version"], 1);
+    let last = written["history"]
+        .as_array()
+        .unwrap()
+        .last()
+        .unwrap()
+        .clone();
+    assert!(
+        last["reason"].as_str().unwrap().contains("SIGHUP"),
+        "{last}"
+    );
+
+    // Bad edits: not JSON; then a variant that was never made. Each is refused as a whole.
+    for (n, bad) in [
+        "{ not json".to_owned(),
+        json!({"format": 1, "version": 1, "history": [],
+               "policy": {"quantization": {"summaries": {"t1": {"gguf": "q5_0"}}}}})
+        .to_string(),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        std::fs::write(&file, &bad).unwrap();
+        node.signal("HUP");
+        let t0 = Instant::now();
+        while refusals() < n + 1 {
+            assert!(t0.elapsed() < Duration::from_secs(30), "no refusal logged");
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        let now = policy(&c).await;
+        assert_eq!(now["version"], 1, "{now}");
+        assert_eq!(
+            now["policy"]["quantization"]["tool_calls"]["t1"]["gguf"],
+            "q4_0"
+        );
+        assert!(
+            now["policy"]["quantization"].get("summaries").is_none(),
+            "{now}"
+        );
+    }
+    let v = chat(&c, &node.http, request("summaries", false, false)).await;
+    assert_eq!(v["mesh"]["engine"]["gguf"], "t1-q8_0.gguf", "{v}");
 }
