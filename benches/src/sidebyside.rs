@@ -439,7 +439,15 @@ impl RunRecord {
                 "cmake_cache": mesh_cmake.as_ref().map(|p| p.display().to_string()),
                 "build_flags": mesh_cmake.as_deref().and_then(machine::cmake_flags),
             },
-            "fixed_settings": {"n_batch": 512, "n_ubatch": 512, "prefill_chunk": 256, "kv_unified": true, "kv_type": "f16", "flash_attn": "llama.cpp default (auto)"},
+            "fixed_settings": {
+                "n_batch": args.batch,
+                "n_ubatch": args.batch,
+                // `mesh up --batch` caps prompt chunks so one fits beside every decode.
+                "prefill_chunk": 512.min(args.batch.saturating_sub(args.parallel)),
+                "kv_unified": false,
+                "kv_type": "f16",
+                "flash_attn": "llama.cpp default (auto)",
+            },
         });
         let mut llama = json!({
             "binary": args.llama_server.display().to_string(),

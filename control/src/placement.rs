@@ -111,6 +111,10 @@ pub struct PlacementPlan {
     pub pus: usize,
     /// CPU-less NUMA nodes (far memory) left for memory tiers.
     pub far_memory_nodes: Vec<u32>,
+    /// Hardware threads of the cores no tier got, for the node's own threads (gateway,
+    /// transport, page writers); empty when the tiers take every core or nothing is bound.
+    #[serde(default)]
+    pub node_pus: Vec<u32>,
     /// Shrunk tiers, spanning tiers, unbound tiers: what the operator should know.
     pub warnings: Vec<String>,
 }
@@ -145,6 +149,18 @@ impl PlacementPlan {
                 list_or_dash(&t.numa_nodes),
                 list_or_dash(&t.packages),
                 list_or_dash(&t.mem_bind)
+            );
+        }
+        if self.bound {
+            let _ = writeln!(
+                s,
+                "  {:<10} PUs {} (gateway, transport, page writers)",
+                "node",
+                if self.node_pus.is_empty() {
+                    "- (every core has a tier: unbound)".to_string()
+                } else {
+                    cpu_list(&self.node_pus)
+                }
             );
         }
         if !self.far_memory_nodes.is_empty() {
@@ -211,6 +227,7 @@ pub fn plan(topo: &Topology, demands: &[TierDemand]) -> PlacementPlan {
         cores: topo.cores.len(),
         pus: topo.pu_count(),
         far_memory_nodes: far,
+        node_pus: vec![],
         warnings: vec![],
     };
     let n = demands.len();
@@ -269,11 +286,12 @@ pub fn plan(topo: &Topology, demands: &[TierDemand]) -> PlacementPlan {
             (3, 0)
         }
     };
-    // Each slot: (core index, pu). Within a domain, cores in logical order, first
-    // sibling of every core before any second sibling.
+    // Each slot: (core index, pu). Within a domain, the last cores first (the first core,
+    // where the OS tends to run its own work and interrupts, is left to the node's other
+    // threads for as long as possible), first sibling of every core before any second.
     let mut domains: BTreeMap<(u8, u32), Vec<(usize, u32)>> = BTreeMap::new();
     for round in 0..slots_per_core {
-        for c in &topo.cores {
+        for c in topo.cores.iter().rev() {
             if let Some(&pu) = c.pus.get(round) {
                 domains.entry(domain_of(c)).or_default().push((c.index, pu));
             }
@@ -348,7 +366,36 @@ pub fn plan(topo: &Topology, demands: &[TierDemand]) -> PlacementPlan {
         .into_iter()
         .map(|p| p.expect("every tier placed"))
         .collect();
+    let used: std::collections::BTreeSet<usize> =
+        out.tiers.iter().flat_map(|t| t.cores.clone()).collect();
+    out.node_pus = topo
+        .cores
+        .iter()
+        .filter(|c| !used.contains(&c.index))
+        .flat_map(|c| c.pus.clone())
+        .collect();
+    out.node_pus.sort_unstable();
     out
+}
+
+/// Binds every thread of this process to `pus` (hwloc, process CPU binding); threads it
+/// starts afterwards inherit the mask. Run before the tiers' engine threads start: each
+/// binds itself to its own cores next.
+pub fn bind_process(pus: &[u32]) -> Result<(), crate::ControlError> {
+    use hwlocality::cpu::binding::CpuBindingFlags;
+    use hwlocality::cpu::cpuset::CpuSet;
+
+    let err = |e: String| crate::ControlError::Bind(format!("node threads: {e}"));
+    if pus.is_empty() {
+        return Err(err("no CPUs left for them".into()));
+    }
+    let topo = hwlocality::Topology::new().map_err(|e| err(e.to_string()))?;
+    let mut set = CpuSet::new();
+    for &pu in pus {
+        set.set(pu as usize);
+    }
+    topo.bind_cpu(&set, CpuBindingFlags::PROCESS)
+        .map_err(|e| err(e.to_string()))
 }
 
 /// What [`bind_current_thread`] managed to apply.
@@ -519,10 +566,31 @@ mod tests {
         assert_disjoint(&p);
         let threads: Vec<usize> = p.tiers.iter().map(|t| t.threads).collect();
         assert_eq!(threads, vec![2, 2, 4]);
-        // The largest tier is placed first, on the first cores.
-        assert_eq!(p.tiers[2].pus, vec![0, 1, 2, 3]);
+        // The largest tier is placed first, on the last cores.
+        assert_eq!(p.tiers[2].pus, vec![4, 5, 6, 7]);
+        assert!(p.node_pus.is_empty(), "every core has a tier");
+        assert!(p.render().contains("every core has a tier"));
         // Single NUMA node: no memory binding.
         assert!(p.tiers.iter().all(|t| t.mem_bind.is_empty()));
+    }
+
+    #[test]
+    fn cores_no_tier_gets_go_to_the_node_threads_first_core_included() {
+        let t = host(1, 8, 2);
+        let p = plan(&t, &demand(&[("t1", 2), ("t3", 3)]));
+        assert_disjoint(&p);
+        assert_eq!(p.tiers[1].pus, vec![5, 6, 7]);
+        assert_eq!(p.tiers[0].pus, vec![3, 4]);
+        // Cores 0-2 with their SMT siblings (8-10); no sibling of a tier core.
+        assert_eq!(p.node_pus, vec![0, 1, 2, 8, 9, 10]);
+        assert!(
+            p.render().contains("node       PUs 0-2,8-10"),
+            "{}",
+            p.render()
+        );
+        // Not bound: nothing for the node either.
+        let p = plan(&host(1, 2, 1), &demand(&[("a", 4), ("b", 1), ("c", 1)]));
+        assert!(!p.bound && p.node_pus.is_empty());
     }
 
     #[test]

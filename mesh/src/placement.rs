@@ -1,6 +1,7 @@
 //! Tier placement at node start: plan one core set per tier from this host's topology
 //! (`mesh_control::placement`), cap each tier's llama.cpp threads to it, and in `bind`
-//! mode make each engine thread bind itself before it creates its llama.cpp context.
+//! mode bind the node's own threads to the cores no tier got and make each engine thread
+//! bind itself to its tier's cores before it creates its llama.cpp context.
 
 use mesh_control::placement::{self, PlacementConfig, PlacementMode, PlacementPlan, TierDemand};
 use mesh_control::topology::Topology;
@@ -29,6 +30,16 @@ pub fn apply(cfg: &PlacementConfig, tiers: &mut [EngineConfig]) -> Option<Placem
     let plan = plan_for(&topo, tiers);
     for line in plan.render().lines() {
         info!(target: "mesh::placement", "{line}");
+    }
+    // The node's own threads (tokio workers, transport, page writers; every thread that
+    // exists now, and those started later from them) go to the cores no tier got, so they
+    // never preempt a tier's llama.cpp threads. The engine threads start after this and
+    // bind themselves to their tier's cores.
+    if cfg.mode == PlacementMode::Bind && plan.bound && !plan.node_pus.is_empty() {
+        match placement::bind_process(&plan.node_pus) {
+            Ok(()) => info!(pus = ?plan.node_pus, "node threads bound"),
+            Err(e) => warn!(error = %e, "node threads left unbound"),
+        }
     }
     for t in tiers.iter_mut() {
         let Some(p) = plan.tiers.iter().find(|p| p.tier == t.name) else {

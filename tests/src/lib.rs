@@ -144,6 +144,11 @@ impl Node {
         Self::spawn(&all, &log)
     }
 
+    /// The process id.
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
     /// SIGKILL.
     pub fn kill(&mut self) {
         let _ = self.child.kill();

@@ -30,6 +30,8 @@ struct Args {
     threads: i32,
     models: PathBuf,
     grammar: bool,
+    draft_threads: i32,
+    draft_threads_batch: i32,
 }
 
 fn args() -> Args {
@@ -39,9 +41,11 @@ fn args() -> Args {
         threads: 2,
         models: PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/../models")),
         grammar: false,
+        draft_threads: DraftConfig::default().threads,
+        draft_threads_batch: DraftConfig::default().threads_batch,
     };
     const USAGE: &str =
-        "usage: spec_serving [--prompts N] [--max-tokens N] [--threads N] [--models DIR] [--grammar]";
+        "usage: spec_serving [--prompts N] [--max-tokens N] [--threads N] [--draft-threads N] [--draft-threads-batch N] [--models DIR] [--grammar]";
     let usage = |why: &str| -> ! {
         eprintln!("spec_serving: {why}\n{USAGE}");
         std::process::exit(2)
@@ -66,6 +70,10 @@ fn args() -> Args {
             "--prompts" => a.prompts = v.parse().expect("--prompts N"),
             "--max-tokens" => a.max_tokens = v.parse().expect("--max-tokens N"),
             "--threads" => a.threads = v.parse().expect("--threads N"),
+            "--draft-threads" => a.draft_threads = v.parse().expect("--draft-threads N"),
+            "--draft-threads-batch" => {
+                a.draft_threads_batch = v.parse().expect("--draft-threads-batch N")
+            }
             "--models" => a.models = v.into(),
             _ => usage(&format!("unknown argument {k}")),
         }
@@ -89,6 +97,8 @@ fn engine(a: &Args, draft: bool) -> Engine {
         },
         draft: draft.then(|| DraftConfig {
             model: a.models.join("t1-q8_0.gguf"),
+            threads: a.draft_threads,
+            threads_batch: a.draft_threads_batch,
             ..DraftConfig::default()
         }),
         ..EngineConfig::default()
@@ -238,11 +248,13 @@ async fn main() {
         run(e, &prompts[..1], 1, a.max_tokens).await;
     }
     println!(
-        "{} held-out prompts ({} with the tool-call grammar), at most {} new tokens, {} llama.cpp threads, loadavg at start {}",
+        "{} held-out prompts ({} with the tool-call grammar), at most {} new tokens, {} llama.cpp threads for t3 and {}/{} for the draft (one token/batches; 0 = same), loadavg at start {}",
         prompts.len(),
         prompts.iter().filter(|r| r.grammar.is_some()).count(),
         a.max_tokens,
         a.threads,
+        a.draft_threads,
+        a.draft_threads_batch,
         loadavg()
     );
     println!();

@@ -157,6 +157,16 @@ pub struct DraftConfig {
     pub k_min: usize,
     /// Longest draft (reached by rounds that accept every draft).
     pub k_max: usize,
+    /// llama.cpp threads of the draft's one-token decodes (a single drafting sequence;
+    /// llama-server's `--threads-draft`). Default 0 = automatic: 1 when the tier runs on
+    /// at most 2 threads (a small draft's one-token decode is mostly per-op overhead, and a
+    /// second thread adds a barrier per op: t1 drafting for t3 on 2 threads drafted faster
+    /// this way on both measured hosts), else the tier's threads (at 8 threads one draft
+    /// thread was slower).
+    pub threads: i32,
+    /// Threads of larger draft decodes (prompt catch-up, several drafting sequences;
+    /// llama-server's `--threads-batch-draft`). Default 0 = the tier's threads.
+    pub threads_batch: i32,
 }
 
 impl Default for DraftConfig {
@@ -166,6 +176,8 @@ impl Default for DraftConfig {
             k_init: 4,
             k_min: 1,
             k_max: 12,
+            threads: 0,
+            threads_batch: 0,
         }
     }
 }
@@ -239,6 +251,9 @@ impl EngineConfig {
         if let Some(d) = &self.draft {
             if d.k_min == 0 || d.k_min > d.k_init || d.k_init > d.k_max {
                 return bad("draft: need 1 <= k_min <= k_init <= k_max");
+            }
+            if d.threads < 0 || d.threads_batch < 0 {
+                return bad("draft.threads and draft.threads_batch must be 0 (automatic) or more");
             }
             // Every greedy sequence may verify k_max drafts plus its own token in one step.
             let rows = self.n_seq_max as usize * (d.k_max + 1) + self.prefill_chunk as usize;

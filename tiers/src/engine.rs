@@ -205,7 +205,7 @@ impl Engine {
                     cfg.thread_setup.run();
                     // Before llama.cpp starts its compute threads, so that they are counted.
                     let hw = crate::hwcount::HwCounters::open(&stats.hw);
-                    let mut ctx = match new_context(&model, &cfg) {
+                    let mut ctx = match new_context(&model, &cfg, (cfg.threads, cfg.threads)) {
                         Ok(c) => c,
                         Err(e) => {
                             let _ = ready_tx.send(Err(e));
@@ -213,7 +213,7 @@ impl Engine {
                         }
                     };
                     let draft = match (&draft_model, &cfg.draft) {
-                        (Some(m), Some(d)) => match new_context(m, &cfg) {
+                        (Some(m), Some(d)) => match new_context(m, &cfg, draft_threads(&cfg, d)) {
                             Ok(ctx) => Some(Draft::new(ctx, d, &cfg)),
                             Err(e) => {
                                 let _ = ready_tx.send(Err(e));
@@ -381,9 +381,12 @@ fn load_draft(target: &LlamaModel, d: &DraftConfig) -> Result<LlamaModel, TierEr
     Ok(m)
 }
 
+/// A context for `model` with the tier's settings and `(threads, threads_batch)`:
+/// llama.cpp runs one-token decodes on the first, larger batches on the second.
 fn new_context<'m>(
     model: &'m LlamaModel,
     cfg: &EngineConfig,
+    (threads, threads_batch): (i32, i32),
 ) -> Result<LlamaContext<'m>, TierError> {
     let kv = match cfg.kv_type {
         KvType::F16 => KvCacheType::F16,
@@ -396,13 +399,30 @@ fn new_context<'m>(
         .with_n_ubatch(cfg.n_batch)
         .with_n_seq_max(cfg.n_seq_max)
         .with_kv_unified(cfg.kv_unified)
-        .with_n_threads(cfg.threads)
-        .with_n_threads_batch(cfg.threads)
+        .with_n_threads(threads)
+        .with_n_threads_batch(threads_batch)
         .with_type_k(kv)
         .with_type_v(kv);
     model
         .new_context(backend(), params)
         .map_err(|e| TierError::Context(e.to_string()))
+}
+
+/// Threads of the draft context: llama.cpp's `n_threads` (one-token decodes) and
+/// `n_threads_batch` (larger ones). 0 in the config: one-token decodes on one thread when
+/// the tier has at most two, else the tier's count; batches on the tier's count.
+fn draft_threads(cfg: &EngineConfig, d: &DraftConfig) -> (i32, i32) {
+    let one = match d.threads {
+        0 if cfg.threads <= 2 => 1,
+        0 => cfg.threads,
+        n => n,
+    };
+    let batch = if d.threads_batch > 0 {
+        d.threads_batch
+    } else {
+        cfg.threads
+    };
+    (one, batch)
 }
 
 /// Learns the KV layout (one probe token in sequence 0, then cleared) and opens the page
@@ -774,8 +794,6 @@ impl<'m> Loop<'m> {
         let _ = self.ctx.clear_kv_cache_seq(Some(slot as u32), None, None);
     }
 
-
-    /// Removes a slot and releases its KV cells; returns it so the caller can still report.
     /// Drops a slot's claim on the pages it was going to publish.
     fn unpend(&mut self, slot: &Slot) {
         for id in slot.pages.pending() {
@@ -788,6 +806,8 @@ impl<'m> Loop<'m> {
         }
     }
 
+    /// Removes a slot and releases its KV cells (or keeps them in the slot for the next
+    /// request, `keep_resident`); returns it so the caller can still report.
     fn free(&mut self, i: usize) -> Option<Slot> {
         let mut s = self.slots[i].take()?;
         self.unpend(&s);
@@ -1254,5 +1274,29 @@ fn top2_margin(logits: &[f32]) -> f32 {
         a - b
     } else {
         f32::INFINITY
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn draft_threads_default_to_one_for_small_tiers_and_follow_the_config() {
+        let tier = |threads| EngineConfig {
+            threads,
+            ..EngineConfig::default()
+        };
+        let auto = DraftConfig::default();
+        assert_eq!(draft_threads(&tier(1), &auto), (1, 1));
+        assert_eq!(draft_threads(&tier(2), &auto), (1, 2));
+        assert_eq!(draft_threads(&tier(8), &auto), (8, 8));
+        let set = DraftConfig {
+            threads: 3,
+            threads_batch: 5,
+            ..DraftConfig::default()
+        };
+        assert_eq!(draft_threads(&tier(8), &set), (3, 5));
+        assert_eq!(draft_threads(&tier(2), &set), (3, 5));
     }
 }
