@@ -162,6 +162,9 @@ pub struct TestResult {
     pub p_worse: f64,
     /// Effect, positive = better (relative median change, or rate difference).
     pub effect: f64,
+    /// Effect in the wrong direction counted as worse even without significance.
+    #[serde(default)]
+    pub tolerance: f64,
     /// What the test found.
     pub finding: Finding,
 }
@@ -320,6 +323,7 @@ fn compare(
         p_better: 1.0,
         p_worse: 1.0,
         effect: 0.0,
+        tolerance: m.tolerance,
         finding: Finding::TooFewSamples,
     };
     if a.len() < cfg.min_samples || b.len() < cfg.min_samples {
@@ -392,11 +396,21 @@ pub fn evaluate(cfg: &GateConfig, objective: &Metric, a: &Samples, b: &Samples) 
         .collect();
     let obj = &tests[0];
     let (verdict, reason) = if let Some(w) = worse.first() {
+        // Worse is either significant or a change past the metric's tolerance: a regression
+        // that large is not kept on the chance that it is noise.
+        let why = if w.p_worse < cfg.alpha {
+            format!("p_worse {:.4}", w.p_worse)
+        } else {
+            format!(
+                "past the {:.2} tolerance, p_worse {:.4}",
+                w.tolerance, w.p_worse
+            )
+        };
         (
             Verdict::Revert,
             format!(
-                "{} got worse: {:.4} -> {:.4} (effect {:+.3}, p_worse {:.4})",
-                w.metric, w.a, w.b, w.effect, w.p_worse
+                "{} got worse: {:.4} -> {:.4} (effect {:+.3}, {why})",
+                w.metric, w.a, w.b, w.effect
             ),
         )
     } else if let Some(s) = short.first() {
@@ -504,6 +518,27 @@ pub(crate) mod tests {
         assert_eq!(d.tests[0].finding, Finding::Better);
         assert!(d.tests[0].effect > 0.2, "{:?}", d.tests[0]);
         assert_eq!(d.tests.len(), 3, "objective + two other guards");
+    }
+
+    #[test]
+    fn a_regression_past_the_tolerance_reverts_without_significance_and_says_so() {
+        let cfg = GateConfig::default();
+        let lat =
+            |scale: f64| -> Vec<f64> { (0..24).map(|i| (60.0 + 4.0 * i as f64) * scale).collect() };
+        let rest = |s: &mut Samples| {
+            s.insert("accuracy".into(), vec![1.0; 24]);
+            s.insert("error".into(), vec![0.0; 24]);
+        };
+        let mut a = Samples::from([("latency_ms".to_string(), lat(1.0))]);
+        let mut b = Samples::from([("latency_ms".to_string(), lat(1.12))]);
+        rest(&mut a);
+        rest(&mut b);
+        let d = evaluate(&cfg, &cfg.guards[0], &a, &b);
+        let t = &d.tests[0];
+        assert!(t.p_worse >= cfg.alpha, "not significant: {t:?}");
+        assert!(t.effect < -t.tolerance, "{t:?}");
+        assert_eq!(d.verdict, Verdict::Revert, "{d:#?}");
+        assert!(d.reason.contains("past the 0.10 tolerance"), "{}", d.reason);
     }
 
     #[test]
