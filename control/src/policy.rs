@@ -35,6 +35,9 @@ pub struct Policy {
     pub reasoning: ReasoningPolicy,
     /// Tools the router keeps in a routed prompt.
     pub router_top_k: usize,
+    /// Most drafts per speculative round of a request served by a local drafted tier
+    /// (capped by the tier's own `draft.k_max`).
+    pub draft_k_max: usize,
     /// Weights and KV cache type per role and tier; empty (the default) runs every tier
     /// as configured. Left out of the file while empty, so older files read the same.
     #[serde(skip_serializing_if = "QuantPolicy::is_default")]
@@ -47,6 +50,7 @@ impl Default for Policy {
             cascade: CascadePolicy::default(),
             reasoning: ReasoningPolicy::default(),
             router_top_k: crate::RouterConfig::default().top_k,
+            draft_k_max: mesh_tiers::DraftConfig::default().k_max,
             quantization: QuantPolicy::default(),
         }
     }
@@ -273,6 +277,8 @@ pub fn knobs() -> Vec<Knob> {
           "thinking-budget floor for a routed request (confidence 0)"),
         k("router_top_k", 1.0, 20.0, 1.0,
           "tools the router keeps in a routed prompt: more costs prompt tokens, fewer can drop the right tool"),
+        k("speculative.k_max", 1.0, 16.0, 1.0,
+          "most drafts per speculative round: more pays off when drafts are accepted, costs target rows and draft steps when they are not"),
     ]
 }
 
@@ -293,6 +299,7 @@ impl Policy {
             }
             "reasoning.base" => self.reasoning.base as f64,
             "router_top_k" => self.router_top_k as f64,
+            "speculative.k_max" => self.draft_k_max as f64,
             _ => return Err(ControlError::Config(format!("unknown knob `{id}`"))),
         })
     }
@@ -327,6 +334,7 @@ impl Policy {
             "reasoning.default_budget" => self.reasoning.default_budget = Some(v.round() as usize),
             "reasoning.base" => self.reasoning.base = v.round() as usize,
             "router_top_k" => self.router_top_k = v.round() as usize,
+            "speculative.k_max" => self.draft_k_max = v.round() as usize,
             _ => unreachable!("knob() knows only the ids above"),
         }
         Ok(())

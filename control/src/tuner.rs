@@ -40,6 +40,10 @@ pub struct Counters {
     pub reasoning_requests: u64,
     /// Of those, how many hit it.
     pub reasoning_capped: u64,
+    /// Tokens drafted for speculative decoding.
+    pub draft_tokens: u64,
+    /// Of those, how many the target accepted.
+    pub draft_accepted: u64,
 }
 
 impl Counters {
@@ -158,6 +162,17 @@ pub fn rules() -> Vec<Rule> {
                 c.accuracy().is_none_or(|a| a >= t.accuracy_target)
                     && Counters::share(c.low_router_score_skips, c.requests)
                         .is_some_and(|s| s >= 0.3)
+            },
+        },
+        Rule {
+            id: "drafts-mostly-rejected",
+            rationale: "fewer than half of the drafted tokens are accepted: shorter drafts waste fewer draft steps and target rows on tokens that are thrown away",
+            knob: "speculative.k_max",
+            direction: Direction::Down,
+            objective: latency,
+            fires: |c, _, t| {
+                c.draft_tokens >= 10 * t.min_requests
+                    && Counters::share(c.draft_accepted, c.draft_tokens).is_some_and(|s| s < 0.5)
             },
         },
         Rule {
@@ -337,6 +352,28 @@ mod tests {
         let mut c = counters(Some((30, 50)), 40, 10);
         c.requests = 5;
         assert_eq!(propose(&r, &c, &p, &cfg), None);
+    }
+
+    #[test]
+    fn mostly_rejected_drafts_shorten_the_draft_cap() {
+        let cfg = TunerConfig::default();
+        let p = start();
+        let mut c = counters(None, 0, 0);
+        (c.draft_tokens, c.draft_accepted) = (400, 150);
+        let prop = propose(&rules(), &c, &p, &cfg).unwrap();
+        assert_eq!(prop.rule, "drafts-mostly-rejected");
+        assert_eq!(prop.knob, "speculative.k_max");
+        assert_eq!((prop.before, prop.after), (12.0, 11.0));
+        // Mostly accepted, or too few drafts to tell: nothing.
+        c.draft_accepted = 300;
+        assert_eq!(propose(&rules(), &c, &p, &cfg), None);
+        (c.draft_tokens, c.draft_accepted) = (100, 10);
+        assert_eq!(propose(&rules(), &c, &p, &cfg), None);
+        // At the knob's floor the rule yields.
+        let mut low = start();
+        low.set("speculative.k_max", 1.0).unwrap();
+        (c.draft_tokens, c.draft_accepted) = (400, 150);
+        assert_eq!(propose(&rules(), &c, &low, &cfg), None);
     }
 
     #[test]

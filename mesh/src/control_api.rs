@@ -1001,6 +1001,8 @@ pub fn totals(text: &str, first_tier: &str) -> Counters {
             },
             "mesh_reasoning_budgeted_total" => c.reasoning_requests += v,
             "mesh_reasoning_capped_total" => c.reasoning_capped += v,
+            "mesh_spec_draft_tokens_total" => c.draft_tokens += v,
+            "mesh_spec_accepted_tokens_total" => c.draft_accepted += v,
             _ => {}
         }
     }
@@ -1025,6 +1027,8 @@ pub fn since(now: &Counters, before: &Counters) -> Counters {
             .reasoning_requests
             .saturating_sub(before.reasoning_requests),
         reasoning_capped: now.reasoning_capped.saturating_sub(before.reasoning_capped),
+        draft_tokens: now.draft_tokens.saturating_sub(before.draft_tokens),
+        draft_accepted: now.draft_accepted.saturating_sub(before.draft_accepted),
     }
 }
 
@@ -1133,6 +1137,8 @@ mesh_reasoning_budgeted_total{model="t1"} 20
 mesh_reasoning_budgeted_total{model="t2"} 4
 mesh_reasoning_capped_total{model="t1"} 6
 mesh_reasoning_tokens_total{model="t1"} 900
+mesh_spec_draft_tokens_total{model="t3"} 120
+mesh_spec_accepted_tokens_total{model="t3"} 100
 "#;
 
     #[test]
@@ -1148,6 +1154,8 @@ mesh_reasoning_tokens_total{model="t1"} 900
                 low_router_score_skips: 3,
                 reasoning_requests: 24,
                 reasoning_capped: 6,
+                draft_tokens: 120,
+                draft_accepted: 100,
                 ..Counters::default()
             }
         );

@@ -1016,7 +1016,7 @@ pub(crate) async fn chat_with(
         tracing::Span::current().record("gen_ai.usage.input_tokens", prompt.len());
         let role = RequestRole::classify(!p.shown.is_empty(), r.reasoning_budget);
         let (tier, engine, lease) = state.engine_for(tier, &r.model, role, &policy.quantization);
-        let req = build_request(state, &r, &p, prompt, tier.max_seq_len(), &policy.reasoning)?;
+        let req = build_request(state, &r, &p, prompt, tier.max_seq_len(), &policy)?;
         let job = Job {
             model: r.model.clone(),
             req,
@@ -1115,7 +1115,7 @@ fn build_request(
     p: &Prepared,
     prompt: Vec<i32>,
     max_seq_len: usize,
-    reasoning: &ReasoningPolicy,
+    policy: &mesh_control::policy::Policy,
 ) -> Result<GenerateRequest, ApiError> {
     let max_tokens = budget(
         state,
@@ -1133,7 +1133,8 @@ fn build_request(
         ignore_eos: r.ignore_eos,
         request_id: String::new(),
         cache_scope: p.scope.clone(),
-        reasoning_budget: reasoning.budget(r.reasoning_budget, p.confidence),
+        reasoning_budget: policy.reasoning.budget(r.reasoning_budget, p.confidence),
+        draft_max: Some(policy.draft_k_max),
     })
 }
 
@@ -1233,14 +1234,7 @@ async fn cascade_chat(
             }
         };
         let (target, engine, lease) = state.engine_for(target, tier, role, &live.quantization);
-        let req = build_request(
-            state,
-            r,
-            &p,
-            prompt.clone(),
-            target.max_seq_len(),
-            &live.reasoning,
-        )?;
+        let req = build_request(state, r, &p, prompt.clone(), target.max_seq_len(), &live)?;
         let job = Job {
             model: tier.clone(),
             req,

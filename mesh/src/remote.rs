@@ -398,6 +398,8 @@ fn from_call(c: GenerateCall) -> GenerateRequest {
         request_id: c.request_id,
         cache_scope: c.cache_scope,
         reasoning_budget: c.reasoning_budget.map(|b| b as usize),
+        // Not on the wire: a forwarded request drafts as the serving tier is configured.
+        draft_max: None,
     }
 }
 

@@ -986,8 +986,9 @@ impl<'m> Loop<'m> {
             sp.k_step = 0;
             if s.pending.is_some() {
                 let n = s.req.prompt.len() + s.generated;
+                let k = s.req.draft_max.map_or(sp.k, |m| sp.k.min(m.max(1)));
                 sp.k_step = speculative::draft_len(
-                    sp.k,
+                    k,
                     s.req.max_tokens.saturating_sub(s.generated),
                     max_seq_len.saturating_sub(n),
                 );

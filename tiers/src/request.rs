@@ -51,6 +51,9 @@ pub struct GenerateRequest {
     /// spent the engine emits `</think>` itself and the model goes on to its answer.
     /// `None` = no cap. Needs a model with single-token think markers.
     pub reasoning_budget: Option<usize>,
+    /// Speculative decoding: at most this many drafts per round for this request (the
+    /// policy's `draft_k_max`), below the tier's own `draft.k_max`. `None` = the tier's.
+    pub draft_max: Option<usize>,
 }
 
 /// Why a generation ended.

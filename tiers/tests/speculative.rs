@@ -284,4 +284,35 @@ async fn serving_engine_with_a_draft_gives_the_targets_tokens() {
     }
     assert_eq!(stats.active.load(std::sync::atomic::Ordering::Relaxed), 0);
     assert!(stats.cancelled.load(std::sync::atomic::Ordering::Relaxed) >= 1);
+
+    // A request's draft cap (the policy's `draft_k_max`): at most one draft per round, so
+    // a round emits at most two tokens and takes about half as many target steps as tokens;
+    // the same request uncapped (k grows while drafts are accepted) takes far fewer. The
+    // tokens are the target's either way.
+    let alone = |cap: Option<usize>| {
+        let spec = &spec;
+        let prompt = &prompts[3];
+        async move {
+            let before = steps(spec);
+            let out = run(spec
+                .submit(GenerateRequest {
+                    draft_max: cap,
+                    ..greedy_req(prompt, MAX_TOKENS)
+                })
+                .unwrap())
+            .await;
+            (out, steps(spec) - before)
+        }
+    };
+    let (capped, capped_steps) = alone(Some(1)).await;
+    let (free, free_steps) = alone(None).await;
+    for o in [&capped, &free] {
+        assert_eq!(o.tokens, want[3].tokens, "a draft cap changes no token");
+    }
+    let n = capped.tokens.len() as u64;
+    assert!(n >= 16, "long enough to tell: {n} tokens");
+    assert!(capped.usage.draft_tokens > 0 && capped.usage.draft_tokens as u64 <= n);
+    // Prefill takes one or two steps; every later step emits at most cap + 1 tokens.
+    assert!(2 * capped_steps + 4 >= n, "{capped_steps} steps for {n} tokens with one draft a round");
+    assert!(free_steps < capped_steps, "uncapped: {free_steps} steps, capped {capped_steps}");
 }
