@@ -112,7 +112,7 @@ pub struct PlacementPlan {
     /// CPU-less NUMA nodes (far memory) left for memory tiers.
     pub far_memory_nodes: Vec<u32>,
     /// Hardware threads of the cores no tier got, for the node's own threads (gateway,
-    /// transport, page writers); empty when the tiers take every core or nothing is bound.
+    /// transport); empty when the tiers take every core or nothing is bound.
     #[serde(default)]
     pub node_pus: Vec<u32>,
     /// Shrunk tiers, spanning tiers, unbound tiers: what the operator should know.
@@ -154,7 +154,7 @@ impl PlacementPlan {
         if self.bound {
             let _ = writeln!(
                 s,
-                "  {:<10} PUs {} (gateway, transport, page writers)",
+                "  {:<10} PUs {} (gateway, transport)",
                 "node",
                 if self.node_pus.is_empty() {
                     "- (every core has a tier: unbound)".to_string()

@@ -1,6 +1,6 @@
 //! `[placement] mode = "bind"` on a real `mesh up` process with the bundled t1 on one
 //! thread: the engine thread runs on the tier's cores from the plan, every other thread of
-//! the node (main, tokio workers, page writer) on the cores no tier got, so the node's own
+//! the node (main, tokio workers) on the cores no tier got, so the node's own
 //! work never preempts the tier's llama.cpp thread; the node still answers. Masks are read
 //! from `/proc/PID/task/*/status`; the plan from `GET /v1/cluster`.
 
