@@ -14,7 +14,7 @@
 //! name = "t3"
 //! model = "models/t3-q8_0.gguf"
 //! draft = "t1"             # t1 drafts, t3 verifies (a tier name or a GGUF path)
-//! # or: draft = { model = "t1", k_init = 4, k_min = 1, k_max = 12 }
+//! # or: draft = { model = "t1", k_init = 4, k_min = 1, k_max = 12, acceptance = "rejection" }
 //! ```
 
 use std::net::SocketAddr;
@@ -480,7 +480,7 @@ mod tests {
             "[[tiers]]\nname = \"t1\"\nmodel = \"a/t1.gguf\"\n\
              [[tiers]]\nname = \"t3\"\nmodel = \"a/t3.gguf\"\ndraft = \"t1\"\n\
              [[tiers]]\nname = \"t2\"\nmodel = \"a/t2.gguf\"\n\
-             draft = { model = \"b/d.gguf\", k_max = 6 }\n",
+             draft = { model = \"b/d.gguf\", k_max = 6, acceptance = \"exact\" }\n",
         )
         .unwrap();
         cfg.resolve_drafts();
@@ -490,9 +490,17 @@ mod tests {
         let d2 = cfg.tiers[2].draft.as_ref().unwrap();
         assert_eq!(d2.model, Path::new("b/d.gguf"));
         assert_eq!(d2.k_max, 6);
+        assert_eq!(d2.acceptance, mesh_tiers::DraftAcceptance::Exact);
+        assert_eq!(d3.acceptance, mesh_tiers::DraftAcceptance::Rejection);
         assert!(cfg.tiers[0].draft.is_none());
         cfg.tiers[2].draft.as_mut().unwrap().k_init = 9;
         assert!(cfg.tiers[2].validate().is_err(), "k_init above k_max");
+        let bad = "[[tiers]]\nname = \"t3\"\nmodel = \"a/t3.gguf\"\n\
+                   draft = { model = \"t1\", acceptance = \"greedy\" }\n";
+        assert!(
+            toml::from_str::<NodeConfig>(bad).is_err(),
+            "unknown acceptance rule"
+        );
     }
 
     #[test]

@@ -8,7 +8,14 @@
 //! ```
 //!
 //! With `--grammar` each request carries the lazy tool-call grammar the gateway attaches
-//! when a chat request offers tools (built from the prompt's `<tools>` block).
+//! when a chat request offers tools (built from the prompt's `<tools>` block). With
+//! `--temperature T` the requests are sampled (top-k 40, seed = the prompt's index) and
+//! the drafted engine keeps drafts by `--acceptance rejection` (speculative sampling, the
+//! default), `exact` (kept when the target draws that very token), or `both` (one drafted
+//! engine each, same run); sampled outputs are identical to t3 alone only under `exact`.
+//! `--raw` feeds each task's user message as bare text to continue (no chat template, no
+//! tools, end-of-text banned): open-ended text, where the models are far less sure than
+//! on their tasks.
 //!
 //! Both engines live in one process, each warmed up with one prompt, and run the same
 //! prompts one after the other (t3 alone, then t3 with the draft, for each concurrency),
@@ -22,7 +29,10 @@
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
-use mesh_tiers::{DraftConfig, Engine, EngineConfig, GenerateRequest, KvPagesConfig, TokenEvent};
+use mesh_tiers::{
+    DraftAcceptance, DraftConfig, Engine, EngineConfig, GenerateRequest, KvPagesConfig,
+    SamplingParams, TokenEvent,
+};
 
 struct Args {
     prompts: usize,
@@ -30,8 +40,11 @@ struct Args {
     threads: i32,
     models: PathBuf,
     grammar: bool,
+    raw: bool,
     draft_threads: i32,
     draft_threads_batch: i32,
+    temperature: f32,
+    acceptance: Vec<DraftAcceptance>,
 }
 
 fn args() -> Args {
@@ -41,11 +54,14 @@ fn args() -> Args {
         threads: 2,
         models: PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/../models")),
         grammar: false,
+        raw: false,
         draft_threads: DraftConfig::default().threads,
         draft_threads_batch: DraftConfig::default().threads_batch,
+        temperature: 0.0,
+        acceptance: vec![DraftAcceptance::Rejection],
     };
     const USAGE: &str =
-        "usage: spec_serving [--prompts N] [--max-tokens N] [--threads N] [--draft-threads N] [--draft-threads-batch N] [--models DIR] [--grammar]";
+        "usage: spec_serving [--prompts N] [--max-tokens N] [--threads N] [--draft-threads N] [--draft-threads-batch N] [--models DIR] [--grammar | --raw] [--temperature T] [--acceptance rejection|exact|both]";
     let usage = |why: &str| -> ! {
         eprintln!("spec_serving: {why}\n{USAGE}");
         std::process::exit(2)
@@ -55,6 +71,10 @@ fn args() -> Args {
         match k.as_str() {
             "--grammar" => {
                 a.grammar = true;
+                continue;
+            }
+            "--raw" => {
+                a.raw = true;
                 continue;
             }
             "--help" | "-h" => {
@@ -75,15 +95,24 @@ fn args() -> Args {
                 a.draft_threads_batch = v.parse().expect("--draft-threads-batch N")
             }
             "--models" => a.models = v.into(),
+            "--temperature" => a.temperature = v.parse().expect("--temperature T"),
+            "--acceptance" => {
+                a.acceptance = match v.as_str() {
+                    "rejection" => vec![DraftAcceptance::Rejection],
+                    "exact" => vec![DraftAcceptance::Exact],
+                    "both" => vec![DraftAcceptance::Exact, DraftAcceptance::Rejection],
+                    _ => usage("--acceptance is rejection, exact or both"),
+                }
+            }
             _ => usage(&format!("unknown argument {k}")),
         }
     }
     a
 }
 
-fn engine(a: &Args, draft: bool) -> Engine {
+fn engine(a: &Args, draft: Option<DraftAcceptance>) -> Engine {
     Engine::start(EngineConfig {
-        name: if draft { "t3+t1" } else { "t3" }.into(),
+        name: if draft.is_some() { "t3+t1" } else { "t3" }.into(),
         model: a.models.join("t3-q8_0.gguf"),
         n_ctx: 4 * 2048,
         n_seq_max: 4,
@@ -95,10 +124,11 @@ fn engine(a: &Args, draft: bool) -> Engine {
             block: 0,
             ..KvPagesConfig::default()
         },
-        draft: draft.then(|| DraftConfig {
+        draft: draft.map(|acceptance| DraftConfig {
             model: a.models.join("t1-q8_0.gguf"),
             threads: a.draft_threads,
             threads_batch: a.draft_threads_batch,
+            acceptance,
             ..DraftConfig::default()
         }),
         ..EngineConfig::default()
@@ -218,39 +248,72 @@ fn loadavg() -> String {
         .join(" ")
 }
 
+/// The user turn of a chat-formatted prompt (the whole prompt when it has none).
+fn user_message(prompt: &str) -> &str {
+    prompt
+        .split_once("<|user|>")
+        .map_or(prompt, |(_, rest)| rest.split_once("<|end|>").map_or(rest, |(u, _)| u))
+}
+
 #[tokio::main(flavor = "multi_thread", worker_threads = 2)]
 async fn main() {
     let a = args();
     let tasks = mesh_tiers::eval::load_tasks(&a.models.join("fixtures/eval-heldout.jsonl"))
         .unwrap_or_else(|e| panic!("{e}"));
-    let plain = engine(&a, false);
-    let spec = engine(&a, true);
+    let plain = engine(&a, None);
+    let drafted: Vec<(String, Engine)> = a
+        .acceptance
+        .iter()
+        .map(|&acc| {
+            let name = match (a.temperature > 0.0, acc) {
+                (false, _) => "t1 drafts, t3 verifies".to_owned(),
+                (true, acc) => format!("t1 drafts, t3 verifies ({acc:?} acceptance)"),
+            };
+            (name, engine(&a, Some(acc)))
+        })
+        .collect();
     let step = (tasks.len() / a.prompts).max(1);
     let prompts: Vec<GenerateRequest> = tasks
         .iter()
         .step_by(step)
         .take(a.prompts)
-        .map(|t| {
-            let tools = mesh_tiers::eval::offered_tools(&t.prompt);
+        .enumerate()
+        .map(|(i, t)| {
+            let text = if a.raw { user_message(&t.prompt) } else { &t.prompt };
+            let tools = mesh_tiers::eval::offered_tools(text);
             let grammar = (a.grammar && !tools.is_empty()).then(|| {
                 mesh_tiers::grammar::tool_call_grammar(&tools).expect("grammar for the tools")
             });
             GenerateRequest {
-                prompt: plain.tokenize(&t.prompt),
+                prompt: plain.tokenize(text),
+                // Bare text ends at once otherwise; continue for max_tokens.
+                ignore_eos: a.raw,
                 grammar_trigger: grammar.as_ref().map(|_| mesh_tiers::chat::CALL.to_owned()),
                 grammar,
+                sampling: SamplingParams {
+                    temperature: a.temperature,
+                    top_k: 40,
+                    seed: i as u32,
+                    ..SamplingParams::default()
+                },
                 ..Default::default()
             }
         })
         .collect();
     // Warm-up, not measured: the first decodes fault the mmapped weights in from disk.
-    for e in [&plain, &spec] {
+    for e in std::iter::once(&plain).chain(drafted.iter().map(|d| &d.1)) {
         run(e, &prompts[..1], 1, a.max_tokens).await;
     }
     println!(
-        "{} held-out prompts ({} with the tool-call grammar), at most {} new tokens, {} llama.cpp threads for t3 and {}/{} for the draft (one token/batches; 0 = same), loadavg at start {}",
+        "{} held-out prompts ({} with the tool-call grammar), {}{}, at most {} new tokens, {} llama.cpp threads for t3 and {}/{} for the draft (one token/batches; 0 = same), loadavg at start {}",
         prompts.len(),
         prompts.iter().filter(|r| r.grammar.is_some()).count(),
+        if a.raw { "bare user messages to continue, " } else { "" },
+        if a.temperature > 0.0 {
+            format!("sampled at temperature {} (top-k 40)", a.temperature)
+        } else {
+            "greedy".to_owned()
+        },
         a.max_tokens,
         a.threads,
         a.draft_threads,
@@ -262,15 +325,14 @@ async fn main() {
     println!("|---:|---|---:|---:|---:|---:|---:|");
     for conc in [1, 4] {
         let base = run(&plain, &prompts, conc, a.max_tokens).await;
-        let with = run(&spec, &prompts, conc, a.max_tokens).await;
-        let same = base
-            .tokens
-            .iter()
-            .zip(&with.tokens)
-            .filter(|(x, y)| x == y)
-            .count();
-        for (name, r) in [("t3 alone", &base), ("t1 drafts, t3 verifies", &with)] {
-            let rate = r.decode_tokens as f64 / r.decode_s.max(1e-9);
+        let mut runs = vec![("t3 alone".to_owned(), base)];
+        for (name, e) in &drafted {
+            runs.push((name.clone(), run(e, &prompts, conc, a.max_tokens).await));
+        }
+        let speed = |r: &Run| r.decode_tokens as f64 / r.decode_s.max(1e-9);
+        let wall = |r: &Run| r.generated as f64 / r.wall_s;
+        let base = &runs[0].1;
+        for (name, r) in &runs {
             let drafts = if r.drafted > 0 {
                 format!(
                     "{} / {} ({:.0}%)",
@@ -281,23 +343,26 @@ async fn main() {
             } else {
                 String::new()
             };
+            let same = base.tokens.iter().zip(&r.tokens).filter(|(x, y)| x == y).count();
             let ident = if r.drafted > 0 {
                 format!("{same} / {}", prompts.len())
             } else {
                 String::new()
             };
             println!(
-                "| {conc} | {name} | {rate:.1} | {:.1} | {ident} | {drafts} | {:.2} |",
-                r.generated as f64 / r.wall_s,
+                "| {conc} | {name} | {:.1} | {:.1} | {ident} | {drafts} | {:.2} |",
+                speed(r),
+                wall(r),
                 r.others
             );
         }
-        let speed = |r: &Run| r.decode_tokens as f64 / r.decode_s.max(1e-9);
-        println!(
-            "| {conc} | speed-up | {:.2}x | {:.2}x | | | |",
-            speed(&with) / speed(&base),
-            (with.generated as f64 / with.wall_s) / (base.generated as f64 / base.wall_s)
-        );
+        for (name, r) in &runs[1..] {
+            println!(
+                "| {conc} | speed-up, {name} | {:.2}x | {:.2}x | | | |",
+                speed(r) / speed(base),
+                wall(r) / wall(base)
+            );
+        }
     }
     println!();
     println!("loadavg at end {}", loadavg());

@@ -167,6 +167,26 @@ pub struct DraftConfig {
     /// Threads of larger draft decodes (prompt catch-up, several drafting sequences;
     /// llama-server's `--threads-batch-draft`). Default 0 = the tier's threads.
     pub threads_batch: i32,
+    /// How a sampled request (temperature > 0) keeps drafts; greedy requests keep a draft
+    /// when it is the target's argmax either way.
+    pub acceptance: DraftAcceptance,
+}
+
+/// Acceptance rule for drafts of sampled requests.
+#[derive(Debug, Clone, Copy, Default, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "lowercase")]
+pub enum DraftAcceptance {
+    /// Speculative sampling (vLLM's rejection sampler): the draft samples with the
+    /// request's settings and a draft is kept with probability `min(1, p / q)`, else the
+    /// token comes from the residual `max(0, p - q)`. Emitted tokens follow the target's
+    /// distribution exactly, and more drafts are kept than by `exact`; a seeded request's
+    /// tokens are reproducible, but not the ones the tier gives without a draft.
+    #[default]
+    Rejection,
+    /// The target samples each row as plain decoding would and a draft is kept when it is
+    /// that token (llama.cpp's server): a seeded request gives the same tokens as without
+    /// a draft, at a lower acceptance.
+    Exact,
 }
 
 impl Default for DraftConfig {
@@ -178,6 +198,7 @@ impl Default for DraftConfig {
             k_max: 12,
             threads: 0,
             threads_batch: 0,
+            acceptance: DraftAcceptance::Rejection,
         }
     }
 }

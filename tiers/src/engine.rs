@@ -19,11 +19,12 @@ use tracing::{debug, warn};
 use crate::chat;
 use crate::kvcache::{KvCache, PromptPages, ReuseStats};
 use crate::plan::{self, SlotView, Work};
-use crate::sampler::RequestSampler;
+use crate::sampler::{DraftSampler, RequestSampler};
 use crate::speculative;
 use crate::stop::StopMatcher;
 use crate::{
-    DraftConfig, EngineConfig, FinishReason, GenerateRequest, KvType, TierError, TokenEvent, Usage,
+    DraftAcceptance, DraftConfig, EngineConfig, FinishReason, GenerateRequest, KvType, TierError,
+    TokenEvent, Usage,
 };
 
 /// Prefix-page handles of an engine (metrics, tests).
@@ -533,6 +534,11 @@ struct SpecSeq {
     k_step: usize,
     /// Drafts proposed this step, verified in the same step.
     drafts: Vec<i32>,
+    /// The draft's distribution at each of `drafts` (sampled requests under rejection
+    /// sampling; empty otherwise).
+    dists: Vec<Vec<(i32, f32)>>,
+    /// Draws the drafts of a sampled request under rejection sampling.
+    sampled: Option<DraftSampler>,
     drafted: usize,
     accepted: usize,
 }
@@ -564,7 +570,7 @@ struct Loop<'m> {
     pending: std::collections::HashMap<mesh_kvstore::PageId, usize>,
     /// `<think>` and `</think>` when each is one token of this vocabulary.
     think: Option<(LlamaToken, LlamaToken)>,
-    /// The draft model, when greedy sequences are decoded speculatively.
+    /// The draft model, when sequences are decoded speculatively.
     draft: Option<Draft<'m>>,
     /// Hardware counters of this thread and llama.cpp's, when the kernel gives them.
     hw: Option<crate::hwcount::HwCounters>,
@@ -715,17 +721,25 @@ impl<'m> Loop<'m> {
                 *self.pending.entry(*id).or_default() += 1;
             }
             // Every request is decoded speculatively when the tier has a draft. Verification
-            // runs the request's own sampler chain (grammar, sampling) row by row and keeps a
-            // draft only when the chain picks that very token, so the chain sees exactly the
-            // calls plain decoding would make, in the same order: greedy output is identical,
-            // a grammar is enforced on every emitted token, and a seeded sampled request draws
-            // the same random numbers for the same positions.
+            // runs the request's own sampler chain (grammar, sampling) row by row: greedy and
+            // `exact` sampled requests keep a draft only when the chain picks that very token,
+            // so the chain sees exactly the calls plain decoding would make, in the same
+            // order (greedy output is identical, a seeded sampled request draws the same
+            // random numbers for the same positions); under `rejection` a sampled request's
+            // drafts are drawn from the draft's distribution and kept by speculative
+            // sampling against the chain's distribution. A grammar is enforced on every
+            // emitted token either way.
             let spec = self.draft.as_ref().map(|d| SpecSeq {
                 out: Vec::new(),
                 dpos: 0,
                 k: d.cfg.k_init,
                 k_step: 0,
                 drafts: Vec::new(),
+                dists: Vec::new(),
+                sampled: match d.cfg.acceptance {
+                    DraftAcceptance::Rejection => DraftSampler::new(self.model, &p.req),
+                    DraftAcceptance::Exact => None,
+                },
                 drafted: 0,
                 accepted: 0,
             });
@@ -962,16 +976,16 @@ impl<'m> Loop<'m> {
             }
         }
         for (slot, row) in rows {
-            let drafts = self.slots[slot]
+            let (drafts, dists) = self.slots[slot]
                 .as_mut()
                 .and_then(|s| s.spec.as_mut())
-                .map(|sp| std::mem::take(&mut sp.drafts))
+                .map(|sp| (std::mem::take(&mut sp.drafts), std::mem::take(&mut sp.dists)))
                 .unwrap_or_default();
             if drafts.is_empty() {
                 let (tok, margin) = self.choose(slot, row);
                 self.emit(slot, tok, margin);
             } else {
-                self.verify(slot, row, &drafts);
+                self.verify(slot, row, &drafts, &dists);
             }
         }
     }
@@ -1058,6 +1072,7 @@ impl<'m> Loop<'m> {
                 for (i, s) in self.slots.iter_mut().enumerate() {
                     if let Some(sp) = s.as_mut().and_then(|s| s.spec.as_mut()) {
                         sp.drafts.clear();
+                        sp.dists.clear();
                         sp.dpos = 0;
                         let _ = d.ctx.clear_kv_cache_seq(Some(i as u32), None, None);
                     }
@@ -1071,7 +1086,14 @@ impl<'m> Loop<'m> {
                     .as_mut()
                     .and_then(|s| s.spec.as_mut())
                     .expect("drafting slot is speculative");
-                let t = speculative::argmax(d.ctx.get_logits_ith(row));
+                let t = match &mut sp.sampled {
+                    Some(ds) => {
+                        let (t, q) = ds.draw(&d.ctx, row);
+                        sp.dists.push(q);
+                        t
+                    }
+                    None => speculative::argmax(d.ctx.get_logits_ith(row)),
+                };
                 sp.drafts.push(t);
                 if sp.drafts.len() < sp.k_step {
                     d.batch
@@ -1090,11 +1112,13 @@ impl<'m> Loop<'m> {
 
     /// Verifies a speculative sequence's drafts. Rows `row..=row + drafts.len()` hold the
     /// target's logits after its pending token and after each draft; tokens are chosen
-    /// row by row exactly as in plain decoding and emitted while they equal the drafts.
-    /// The first that differs, or the one after the last draft, ends the round (so a round
-    /// emits 1..=k+1 tokens, fewer when the sequence finishes inside it). KV cells past
-    /// the accepted tokens are then removed from both contexts.
-    fn verify(&mut self, slot: usize, row: i32, drafts: &[i32]) {
+    /// row by row exactly as in plain decoding and emitted while they equal the drafts,
+    /// or, when `dists` holds the draft's distributions (rejection sampling), kept or
+    /// replaced by [`speculative::accept_sampled`]. The first token that is not the draft,
+    /// or the one after the last draft, ends the round (so a round emits 1..=k+1 tokens,
+    /// fewer when the sequence finishes inside it). KV cells past the accepted tokens are
+    /// then removed from both contexts.
+    fn verify(&mut self, slot: usize, row: i32, drafts: &[i32], dists: &[Vec<(i32, f32)>]) {
         let n = {
             let s = self.slots[slot].as_mut().expect("verified slot exists");
             s.spec.as_mut().expect("speculative slot").drafted += drafts.len();
@@ -1105,7 +1129,10 @@ impl<'m> Loop<'m> {
             .fetch_add(drafts.len() as u64, Ordering::Relaxed);
         let mut accepted = 0;
         for j in 0..=drafts.len() {
-            let (tok, margin) = self.choose(slot, row + j as i32);
+            let (tok, margin) = match (drafts.get(j), dists.get(j)) {
+                (Some(&x), Some(q)) => self.choose_sampled(slot, row + j as i32, x, q),
+                _ => self.choose(slot, row + j as i32),
+            };
             let hit = drafts.get(j) == Some(&tok.0);
             if hit {
                 accepted += 1;
@@ -1141,16 +1168,12 @@ impl<'m> Loop<'m> {
     /// chain, or `</think>` when the reasoning budget is spent. Returns it with its margin.
     fn choose(&mut self, slot: usize, row: i32) -> (LlamaToken, f32) {
         let margin = top2_margin(self.ctx.get_logits_ith(row));
+        let spent = self.budget_spent(slot);
         let s = self.slots[slot].as_mut().expect("sampled slot exists");
         let tok = match self.think {
             // Reasoning governor: the budget is spent, so close the think block in place
             // of whatever the model would have said next.
-            Some((_, close))
-                if s.thinking
-                    && s.req
-                        .reasoning_budget
-                        .is_some_and(|b| s.reasoning_tokens >= b) =>
-            {
+            Some((_, close)) if spent => {
                 s.sampler.accept(close);
                 s.reasoning_capped = true;
                 self.stats.reasoning_capped.fetch_add(1, Ordering::Relaxed);
@@ -1165,6 +1188,36 @@ impl<'m> Loop<'m> {
             }
         };
         (tok, margin)
+    }
+
+    /// The token for logits row `row` of a sampled sequence whose draft `x` was drawn from
+    /// `q`: speculative sampling against the distribution the request's chain draws from
+    /// (its draws then follow that distribution exactly, as plain decoding's do). The
+    /// reasoning governor's `</think>` overrides, as in [`Self::choose`].
+    fn choose_sampled(&mut self, slot: usize, row: i32, x: i32, q: &[(i32, f32)]) -> (LlamaToken, f32) {
+        if self.budget_spent(slot) {
+            return self.choose(slot, row);
+        }
+        let margin = top2_margin(self.ctx.get_logits_ith(row));
+        let s = self.slots[slot].as_mut().expect("sampled slot exists");
+        let p = s.sampler.distribution(&self.ctx, row);
+        let ds = s
+            .spec
+            .as_mut()
+            .and_then(|sp| sp.sampled.as_mut())
+            .expect("drafts with distributions come from a draft sampler");
+        let (u, v) = (ds.uniform(), ds.uniform());
+        let tok = LlamaToken(speculative::accept_sampled(&p, q, x, u, v).0);
+        s.sampler.accept(tok);
+        (tok, margin)
+    }
+
+    /// Whether the reasoning governor closes the think block of `slot` at its next token.
+    fn budget_spent(&self, slot: usize) -> bool {
+        let s = self.slots[slot].as_ref().expect("slot exists");
+        self.think.is_some()
+            && s.thinking
+            && s.req.reasoning_budget.is_some_and(|b| s.reasoning_tokens >= b)
     }
 
     /// Appends a chosen token to its sequence: reasoning state, text, stop strings, the

@@ -44,7 +44,7 @@ mod sampler;
 pub mod speculative;
 pub mod stop;
 
-pub use config::{DraftConfig, EngineConfig, KvPagesConfig, KvType, ThreadSetup};
+pub use config::{DraftAcceptance, DraftConfig, EngineConfig, KvPagesConfig, KvType, ThreadSetup};
 pub use engine::{backend, Engine, EngineStats, ModelInfo, PageHandles};
 pub use error::TierError;
 pub use request::{FinishReason, GenerateRequest, SamplingParams, TokenEvent, Usage};

@@ -20,7 +20,10 @@ use llama_cpp_2::token::data_array::LlamaTokenDataArray;
 use llama_cpp_2::token::logit_bias::LlamaLogitBias;
 use llama_cpp_2::token::LlamaToken;
 
-use crate::{GenerateRequest, TierError};
+use rand::rngs::SmallRng;
+use rand::{Rng, SeedableRng};
+
+use crate::{GenerateRequest, SamplingParams, TierError};
 
 /// The sampler of one sequence.
 pub(crate) struct RequestSampler {
@@ -33,17 +36,7 @@ pub(crate) struct RequestSampler {
 impl RequestSampler {
     /// Builds the sampler of `req` for `model` (a bad grammar is the request's error).
     pub(crate) fn new(model: &LlamaModel, req: &GenerateRequest) -> Result<Self, TierError> {
-        let s = &req.sampling;
-        let mut chain = Vec::new();
-        if req.ignore_eos {
-            let vocab = model.vocab();
-            let bans: Vec<LlamaLogitBias> = (0..model.n_vocab())
-                .map(LlamaToken)
-                .filter(|&t| vocab.is_eog(t))
-                .map(|t| LlamaLogitBias::new(t, f32::NEG_INFINITY))
-                .collect();
-            chain.push(LlamaSampler::logit_bias(model.n_vocab(), &bans));
-        }
+        let mut chain: Vec<LlamaSampler> = eos_ban(model, req).into_iter().collect();
         let grammar = match &req.grammar {
             Some(g) => {
                 let grammar = match &req.grammar_trigger {
@@ -61,7 +54,7 @@ impl RequestSampler {
             }
             None => None,
         };
-        let greedy = s.temperature <= 0.0;
+        let greedy = req.sampling.temperature <= 0.0;
         let checked = match grammar {
             Some(g) if !greedy => {
                 chain.push(g);
@@ -72,19 +65,21 @@ impl RequestSampler {
         if greedy {
             chain.push(LlamaSampler::greedy());
         } else {
-            if s.top_k > 0 {
-                chain.push(LlamaSampler::top_k(s.top_k));
-            }
-            if s.top_p < 1.0 {
-                chain.push(LlamaSampler::top_p(s.top_p, 1));
-            }
-            chain.push(LlamaSampler::temp(s.temperature));
-            chain.push(LlamaSampler::dist(s.seed));
+            chain.extend(draw(&req.sampling, req.sampling.seed));
         }
         Ok(Self {
             chain: LlamaSampler::chain_simple(chain),
             grammar: checked,
         })
+    }
+
+    /// The distribution the chain draws from at logits row `row` (after the EOS ban, the
+    /// grammar, top-k, top-p and temperature): every token with a nonzero probability.
+    /// For sampled requests (a greedy chain selects without probabilities).
+    pub(crate) fn distribution(&mut self, ctx: &LlamaContext<'_>, row: i32) -> Vec<(i32, f32)> {
+        let mut all = ctx.token_data_array_ith(row);
+        self.chain.apply(&mut all);
+        nonzero(&all)
     }
 
     /// Chooses and accepts the token for logits row `row` of `ctx`; says whether a checked
@@ -119,4 +114,85 @@ impl RequestSampler {
         }
         self.chain.accept(tok);
     }
+}
+
+/// A sampled request's draft-side sampler (speculative sampling, `DraftAcceptance::Rejection`):
+/// the request's EOS ban, top-k, top-p and temperature over the draft model's logits (no
+/// grammar: the target's check enforces it), and the uniform draws of the acceptance test.
+pub(crate) struct DraftSampler {
+    chain: LlamaSampler,
+    rng: SmallRng,
+}
+
+impl DraftSampler {
+    /// `None` for greedy requests (their drafts are the draft model's argmax).
+    pub(crate) fn new(model: &LlamaModel, req: &GenerateRequest) -> Option<Self> {
+        let s = &req.sampling;
+        if s.temperature <= 0.0 {
+            return None;
+        }
+        // Seeded from the request, apart from the target's stream: a seeded request is
+        // reproducible under the same draft configuration.
+        let seed = s.seed ^ 0x5eed_d4af;
+        let chain: Vec<LlamaSampler> = eos_ban(model, req)
+            .into_iter()
+            .chain(draw(s, seed))
+            .collect();
+        Some(Self {
+            chain: LlamaSampler::chain_simple(chain),
+            rng: SmallRng::seed_from_u64(u64::from(s.seed) << 1 | 1),
+        })
+    }
+
+    /// Draws a draft token from logits row `row` of the draft context; returns it with the
+    /// draft's distribution (nonzero entries, sorted by token).
+    pub(crate) fn draw(&mut self, ctx: &LlamaContext<'_>, row: i32) -> (i32, Vec<(i32, f32)>) {
+        let mut all = ctx.token_data_array_ith(row);
+        self.chain.apply(&mut all);
+        let tok = all.selected_token().expect("dist selects a token").0;
+        let mut q = nonzero(&all);
+        q.sort_unstable_by_key(|e| e.0);
+        (tok, q)
+    }
+
+    /// A uniform draw in `[0, 1)`.
+    pub(crate) fn uniform(&mut self) -> f32 {
+        self.rng.random()
+    }
+}
+
+/// Bans end-of-generation tokens for `ignore_eos` requests.
+fn eos_ban(model: &LlamaModel, req: &GenerateRequest) -> Option<LlamaSampler> {
+    req.ignore_eos.then(|| {
+        let vocab = model.vocab();
+        let bans: Vec<LlamaLogitBias> = (0..model.n_vocab())
+            .map(LlamaToken)
+            .filter(|&t| vocab.is_eog(t))
+            .map(|t| LlamaLogitBias::new(t, f32::NEG_INFINITY))
+            .collect();
+        LlamaSampler::logit_bias(model.n_vocab(), &bans)
+    })
+}
+
+/// A sampled request's draw: top-k, top-p, temperature, then a seeded random pick.
+fn draw(s: &SamplingParams, seed: u32) -> Vec<LlamaSampler> {
+    let mut chain = Vec::new();
+    if s.top_k > 0 {
+        chain.push(LlamaSampler::top_k(s.top_k));
+    }
+    if s.top_p < 1.0 {
+        chain.push(LlamaSampler::top_p(s.top_p, 1));
+    }
+    chain.push(LlamaSampler::temp(s.temperature));
+    chain.push(LlamaSampler::dist(seed));
+    chain
+}
+
+/// The tokens of an applied chain's candidates with nonzero probability.
+fn nonzero(all: &LlamaTokenDataArray) -> Vec<(i32, f32)> {
+    all.data
+        .iter()
+        .filter(|d| d.p() > 0.0)
+        .map(|d| (d.id().0, d.p()))
+        .collect()
 }

@@ -17,6 +17,10 @@
 //! one longer after a fully accepted round, shorter after a round that accepted
 //! less than half ([`next_k`]).
 //!
+//! Sampled requests in the serving engine use [`accept_sampled`] instead of step 3
+//! (speculative sampling: the draft samples, the target keeps a draft with probability
+//! `min(1, p / q)`), which keeps the target's distribution rather than its tokens.
+//!
 //! [`Speculative`] is the stand-alone form (its own two contexts, used by the
 //! evaluation). The serving engine runs the same rounds inside its continuous-batching
 //! loop when its config has a draft ([`crate::DraftConfig`]); see `engine.rs`.
@@ -146,6 +150,51 @@ pub fn next_k(k: usize, drafted: usize, accepted: usize, k_min: usize, k_max: us
 /// KV positions within the sequence limit (`cells` positions left after the pending token).
 pub fn draft_len(k: usize, room: usize, cells: usize) -> usize {
     k.min(room.saturating_sub(1)).min(cells)
+}
+
+/// Speculative sampling's verdict on one drafted token of a sampled sequence (Leviathan
+/// et al. 2023, Chen et al. 2023): the draft drew `x` from its distribution `q`; the token
+/// is kept with probability `min(1, p(x) / q(x))`, else a token is drawn from the residual
+/// `max(0, p - q)`, normalized. Tokens emitted this way are distributed exactly as draws
+/// from the target's `p`, whatever `q` is, and a draft is kept with probability
+/// `sum min(p, q)` (exact-match acceptance keeps it with `sum p * q`, less unless one of
+/// them is one-hot).
+///
+/// `p` lists the target's probabilities (any order, unlisted tokens 0); `q` the draft's,
+/// sorted by token. `u` and `v` are uniform draws in `[0, 1)`: `u` decides, `v` draws
+/// from the residual. Returns the token and whether it is the draft's.
+pub fn accept_sampled(p: &[(i32, f32)], q: &[(i32, f32)], x: i32, u: f32, v: f32) -> (i32, bool) {
+    let q_of = |t: i32| q.binary_search_by_key(&t, |e| e.0).map_or(0.0, |i| q[i].1);
+    let px = p.iter().find(|e| e.0 == x).map_or(0.0, |e| e.1);
+    let qx = q_of(x);
+    // u < p/q, without dividing (a draft the draft model gave no mass is never kept).
+    if px > 0.0 && u * qx < px {
+        return (x, true);
+    }
+    let residual = |e: &(i32, f32)| (e.1 - q_of(e.0)).max(0.0);
+    let total: f32 = p.iter().map(residual).sum();
+    let pick = |weight: &dyn Fn(&(i32, f32)) -> f32, total: f32| {
+        let mut left = v * total;
+        let mut last = None;
+        for e in p {
+            let w = weight(e);
+            if w > 0.0 {
+                last = Some(e.0);
+                if left < w {
+                    return e.0;
+                }
+                left -= w;
+            }
+        }
+        // Rounding left a sliver past the last weighted token.
+        last.unwrap_or(x)
+    };
+    if total > 0.0 {
+        (pick(&residual, total), false)
+    } else {
+        // p == q up to rounding: the residual is empty, p itself is the right law.
+        (pick(&|e: &(i32, f32)| e.1, p.iter().map(|e| e.1).sum()), false)
+    }
 }
 
 pub(crate) fn argmax(logits: &[f32]) -> i32 {
@@ -484,5 +533,70 @@ mod tests {
         assert_eq!(draft_len(4, 1, 100), 0);
         assert_eq!(draft_len(4, 0, 100), 0);
         assert_eq!(draft_len(4, 100, 2), 2);
+    }
+
+    /// A small deterministic generator for the Monte Carlo checks (splitmix64).
+    fn uniform(state: &mut u64) -> f32 {
+        *state = state.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        let mut z = *state;
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        ((z ^ (z >> 31)) >> 40) as f32 / (1u64 << 24) as f32
+    }
+
+    fn draw(dist: &[(i32, f32)], u: f32) -> i32 {
+        let mut left = u;
+        for &(t, w) in dist {
+            if left < w {
+                return t;
+            }
+            left -= w;
+        }
+        dist.last().unwrap().0
+    }
+
+    /// Runs `n` draft-then-verify trials; returns each token's frequency and the share kept.
+    fn trials(p: &[(i32, f32)], q: &[(i32, f32)], n: usize) -> (Vec<(i32, f64)>, f64) {
+        let mut rng = 7u64;
+        let mut counts = std::collections::BTreeMap::new();
+        let mut kept = 0;
+        for _ in 0..n {
+            let x = draw(q, uniform(&mut rng));
+            let (t, hit) = accept_sampled(p, q, x, uniform(&mut rng), uniform(&mut rng));
+            *counts.entry(t).or_insert(0usize) += 1;
+            kept += hit as usize;
+        }
+        let freq = counts.into_iter().map(|(t, c)| (t, c as f64 / n as f64)).collect();
+        (freq, kept as f64 / n as f64)
+    }
+
+    #[test]
+    fn sampled_acceptance_emits_the_targets_distribution() {
+        // The draft misses token 4, gives mass to token 9 the target never says, and
+        // disagrees on the rest; the target's list is unsorted.
+        let p = [(3, 0.1), (1, 0.5), (2, 0.2), (4, 0.2)];
+        let q = [(1, 0.3), (2, 0.4), (3, 0.1), (9, 0.2)];
+        let n = 200_000;
+        let (freq, kept) = trials(&p, &q, n);
+        for &(t, want) in &p {
+            let got = freq.iter().find(|e| e.0 == t).map_or(0.0, |e| e.1);
+            assert!((got - want as f64).abs() < 0.005, "token {t}: {got} vs {want}");
+        }
+        assert!(freq.iter().all(|e| e.0 != 9), "a token the target gives no mass is never emitted");
+        // Kept with probability sum min(p, q) = 0.3 + 0.2 + 0.1 = 0.6; exact match would keep
+        // sum p * q = 0.15 + 0.08 + 0.01 = 0.24.
+        assert!((kept - 0.6).abs() < 0.005, "kept {kept}");
+    }
+
+    #[test]
+    fn sampled_acceptance_keeps_every_draft_when_the_models_agree() {
+        let p = [(5, 0.7), (6, 0.3)];
+        let (freq, kept) = trials(&p, &p, 20_000);
+        assert_eq!(kept, 1.0);
+        assert!((freq[0].1 - 0.7).abs() < 0.01, "{freq:?}");
+        // A one-hot target (greedy after top-k 1, or a grammar leaving one token) keeps
+        // the draft only when it is that token.
+        assert_eq!(accept_sampled(&[(5, 1.0)], &[(5, 0.5), (6, 0.5)], 6, 0.0, 0.9), (5, false));
+        assert_eq!(accept_sampled(&[(5, 1.0)], &[(5, 0.5), (6, 0.5)], 5, 0.99, 0.9), (5, true));
     }
 }

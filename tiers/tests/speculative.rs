@@ -3,19 +3,27 @@
 //! draft is actually used (some drafted tokens are accepted): in the stand-alone
 //! [`Speculative`] and in the serving engine with a draft model, where stop strings,
 //! `max_tokens`, cancellation, a seeded sampled request and a request under the tool-call
-//! grammar (all three drafted too) still behave as on the target alone.
+//! grammar (all three drafted too) still behave as on the target alone (exact-match
+//! acceptance); and under rejection sampling a sampled request's drafted token follows the
+//! target's own distribution, with drafts kept as often as speculative sampling says.
 
 use std::path::PathBuf;
 
+use std::num::NonZeroU32;
+use std::time::Duration;
+
+use llama_cpp_2::context::params::LlamaContextParams;
+use llama_cpp_2::llama_batch::LlamaBatch;
 use llama_cpp_2::model::params::LlamaModelParams;
 use llama_cpp_2::model::LlamaModel;
-use std::time::Duration;
+use llama_cpp_2::sampling::LlamaSampler;
+use llama_cpp_2::token::LlamaToken;
 
 use mesh_tiers::chat::CALL;
 use mesh_tiers::grammar::tool_call_grammar;
 use mesh_tiers::speculative::{greedy, SpecConfig, Speculative};
 use mesh_tiers::{
-    backend, DraftConfig, Engine, EngineConfig, FinishReason, GenerateRequest, SamplingParams,
+    backend, DraftAcceptance, DraftConfig, Engine, EngineConfig, FinishReason, GenerateRequest, SamplingParams,
     TokenEvent, Usage,
 };
 use serde::Deserialize;
@@ -114,7 +122,8 @@ fn mismatched_limits_are_refused() {
     assert!(spec.generate(&nine, 8).is_err());
 }
 
-fn engine(draft: bool) -> Engine {
+/// t3's engine, with t1 drafting under `acceptance` when given.
+fn engine(draft: Option<DraftAcceptance>) -> Engine {
     Engine::start(EngineConfig {
         name: "t3".into(),
         model: models_dir().join("t3-q8_0.gguf"),
@@ -123,8 +132,9 @@ fn engine(draft: bool) -> Engine {
         n_batch: 512,
         prefill_chunk: 256,
         threads: 2,
-        draft: draft.then(|| DraftConfig {
+        draft: draft.map(|acceptance| DraftConfig {
             model: models_dir().join("t1-q8_0.gguf"),
+            acceptance,
             ..DraftConfig::default()
         }),
         ..EngineConfig::default()
@@ -197,8 +207,8 @@ async fn all(e: &Engine, reqs: Vec<GenerateRequest>) -> Vec<Out> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn serving_engine_with_a_draft_gives_the_targets_tokens() {
-    let plain = engine(false);
-    let spec = engine(true);
+    let plain = engine(None);
+    let spec = engine(Some(DraftAcceptance::Exact));
     let prompts = heldout(&plain, 8);
     let sampled = GenerateRequest {
         sampling: SamplingParams {
@@ -316,3 +326,115 @@ async fn serving_engine_with_a_draft_gives_the_targets_tokens() {
     assert!(2 * capped_steps + 4 >= n, "{capped_steps} steps for {n} tokens with one draft a round");
     assert!(free_steps < capped_steps, "uncapped: {free_steps} steps, capped {capped_steps}");
 }
+
+/// The distribution a sampled request draws its next token from after `tokens` on
+/// `model` (top-k, then temperature, as the engine's chain), nonzero entries by token.
+fn next_distribution(model: &LlamaModel, tokens: &[i32], s: &SamplingParams) -> Vec<(i32, f32)> {
+    let params = LlamaContextParams::default().with_n_ctx(NonZeroU32::new(512));
+    let mut ctx = model.new_context(backend(), params).expect("context");
+    let mut batch = LlamaBatch::new(512, 1);
+    for (i, &t) in tokens.iter().enumerate() {
+        batch
+            .add(LlamaToken(t), i as i32, &[0], i + 1 == tokens.len())
+            .unwrap();
+    }
+    ctx.decode(&mut batch).expect("decode");
+    let mut all = ctx.token_data_array_ith(batch.n_tokens() - 1);
+    let mut chain = LlamaSampler::chain_simple([
+        LlamaSampler::top_k(s.top_k),
+        LlamaSampler::temp(s.temperature),
+        LlamaSampler::dist(0),
+    ]);
+    chain.apply(&mut all);
+    let mut d: Vec<(i32, f32)> = all
+        .data
+        .iter()
+        .filter(|e| e.p() > 0.0)
+        .map(|e| (e.id().0, e.p()))
+        .collect();
+    d.sort_unstable_by_key(|e| e.0);
+    d
+}
+
+fn prob(d: &[(i32, f32)], t: i32) -> f64 {
+    d.iter().find(|e| e.0 == t).map_or(0.0, |e| f64::from(e.1))
+}
+
+/// Total variation distance between two distributions (nonzero entries, by token).
+fn total_variation(a: &[(i32, f32)], b: &[(i32, f32)]) -> f64 {
+    let mut tokens: Vec<i32> = a.iter().chain(b).map(|e| e.0).collect();
+    tokens.sort_unstable();
+    tokens.dedup();
+    tokens.iter().map(|&t| (prob(a, t) - prob(b, t)).abs()).sum::<f64>() / 2.0
+}
+
+/// Rejection sampling (the default acceptance) keeps the target's distribution: many seeded
+/// requests of one prompt, 3 tokens each; the second token is the first drafted one (t1
+/// draws it, t3 keeps it or replaces it). Among requests whose first token is the likeliest,
+/// the second token's frequencies match t3's exact conditional distribution, at a position
+/// where t1's differs enough that emitting t1's draws would fail the check; and the draft is
+/// kept at the rate speculative sampling predicts (sum of min(p, q)), above exact-match's
+/// (sum of p * q).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rejection_sampling_follows_the_targets_distribution() {
+    const N: u32 = 800;
+    let sampling = SamplingParams {
+        temperature: 1.0,
+        top_k: 6,
+        ..SamplingParams::default()
+    };
+    let spec = engine(Some(DraftAcceptance::Rejection));
+    let (t3, t1) = (load("t3"), load("t1"));
+    // A prompt whose first token is mostly one token and whose second token the two models
+    // disagree on (checked below).
+    let prompt = spec.tokenize(PROMPT);
+    let first_dist = next_distribution(&t3, &prompt, &sampling);
+    let &(first, p_first) = first_dist
+        .iter()
+        .max_by(|a, b| a.1.total_cmp(&b.1))
+        .unwrap();
+    let after = [prompt.clone(), vec![first]].concat();
+    let p = next_distribution(&t3, &after, &sampling);
+    let q = next_distribution(&t1, &after, &sampling);
+    let gap = total_variation(&p, &q);
+    let min_pq: f64 = p.iter().map(|&(t, x)| f64::from(x).min(prob(&q, t))).sum();
+    let pq: f64 = p.iter().map(|&(t, x)| f64::from(x) * prob(&q, t)).sum();
+    eprintln!("first token {first} p {p_first:.3}; p {p:?}; q {q:?}; tv {gap:.3}; sum min {min_pq:.3}; sum pq {pq:.3}");
+    assert!(p_first >= 0.3, "the first token should mostly be one: {p_first}");
+    assert!(gap >= 0.25, "t1 and t3 should differ at the drafted position: tv {gap}");
+
+    let reqs: Vec<GenerateRequest> = (0..N)
+        .map(|seed| GenerateRequest {
+            sampling: SamplingParams { seed, ..sampling },
+            ..greedy_req(&prompt, 3)
+        })
+        .collect();
+    let mut outs = Vec::new();
+    // In waves the engine's queue takes.
+    for wave in reqs.chunks(32) {
+        outs.extend(all(&spec, wave.to_vec()).await);
+    }
+    let cond: Vec<&Out> = outs.iter().filter(|o| o.tokens.len() >= 2 && o.tokens[0] == first).collect();
+    assert!(cond.len() as f64 >= f64::from(N) * f64::from(p_first) * 0.7, "{} of {N}", cond.len());
+    let mut seen: Vec<(i32, f32)> = Vec::new();
+    for o in &cond {
+        assert_eq!(o.usage.draft_tokens, 1, "one draft: at the second token");
+        match seen.iter_mut().find(|e| e.0 == o.tokens[1]) {
+            Some(e) => e.1 += 1.0,
+            None => seen.push((o.tokens[1], 1.0)),
+        }
+    }
+    for e in &mut seen {
+        e.1 /= cond.len() as f32;
+    }
+    seen.sort_unstable_by_key(|e| e.0);
+    let off = total_variation(&seen, &p);
+    let kept = cond.iter().map(|o| o.usage.draft_accepted).sum::<usize>() as f64 / cond.len() as f64;
+    eprintln!("{} samples: tv to t3 {off:.3}, to t1 {:.3}; kept {kept:.3}", cond.len(), total_variation(&seen, &q));
+    assert!(off < 0.1 && off < gap / 2.0, "second token {seen:?} vs t3 {p:?}: tv {off}");
+    assert!(seen.iter().all(|e| prob(&p, e.0) > 0.0), "only tokens t3 may draw");
+    assert!((kept - min_pq).abs() < 0.1, "kept {kept}, speculative sampling predicts {min_pq}");
+    assert!(kept > pq + 0.05, "kept {kept}, exact match would keep {pq}");
+}
+
+const PROMPT: &str = "The weather today is";
