@@ -56,6 +56,7 @@ struct Args {
     grammar: bool,
     n_ctx: u32,
     outputs: Option<PathBuf>,
+    router_scores: Option<PathBuf>,
 }
 
 fn parse_args() -> Args {
@@ -74,10 +75,12 @@ fn parse_args() -> Args {
         grammar: false,
         n_ctx: 4096,
         outputs: None,
+        router_scores: None,
     };
     const USAGE: &str = "usage: cascade_eval [--tiers t1,t2,t3 | NAME=PATH.gguf,...] [--eval FILE] \
         [--out JSON] [--md FILE] [--margins 0,1,2,..] [--budgets 16,8,4|none] [--max-tokens N] \
-        [--threads N] [--limit N] [--k N] [--spec-only] [--grammar] [--n-ctx N] [--outputs FILE.jsonl]";
+        [--threads N] [--limit N] [--k N] [--spec-only] [--grammar] [--n-ctx N] [--outputs FILE.jsonl] \
+        [--router-scores FILE.json]";
     let usage = |why: &str| -> ! {
         eprintln!("cascade_eval: {why}\n{USAGE}");
         std::process::exit(2)
@@ -114,6 +117,7 @@ fn parse_args() -> Args {
             "--grammar" => a.grammar = true,
             "--n-ctx" => a.n_ctx = v().parse().expect("n_ctx"),
             "--outputs" => a.outputs = Some(v().into()),
+            "--router-scores" => a.router_scores = Some(v().into()),
             _ => usage(&format!("unknown option {k}")),
         }
     }
@@ -330,13 +334,15 @@ impl Tally {
     }
 }
 
-/// Replays the cascade policy over the per-tier runs.
+/// Replays the cascade policy over the per-tier runs; with `router` (each task's router
+/// top-1 score) a task below `min_router_score` starts at the second tier.
 fn cascade(
     policy: &CascadePolicy,
     tasks: &[Task],
     runs: &[Vec<Run>],
     params: &[f64],
     t3_seconds: Option<&[Option<f64>]>,
+    router: Option<&[f32]>,
 ) -> (Tally, Vec<bool>) {
     let mut t = Tally::default();
     let mut reached_last = vec![false; tasks.len()];
@@ -347,7 +353,8 @@ fn cascade(
             .collect();
         let offered: Vec<&str> = offered.iter().map(String::as_str).collect();
         let (mut compute, mut seconds) = (0.0, 0.0);
-        for (j, tier_runs) in runs.iter().enumerate() {
+        let (start, _) = mesh_tiers::cascade::first_tier(policy, router.map(|r| r[i]));
+        for (j, tier_runs) in runs.iter().enumerate().skip(start) {
             let r = &tier_runs[i];
             compute += (r.prompt + r.generated) as f64 * params[j];
             let last = j + 1 == runs.len();
@@ -468,7 +475,7 @@ async fn main() {
                 min_margin: vec![m1, m2],
                 ..Default::default()
             };
-            let (t, _) = cascade(&policy, &tasks, &runs, &params, None);
+            let (t, _) = cascade(&policy, &tasks, &runs, &params, None, None);
             let acc = t.accuracy("all");
             let compute = t.compute.iter().sum::<f64>();
             // Within one task of 1 point below the largest tier alone.
@@ -488,7 +495,7 @@ async fn main() {
         min_margin: chosen.clone(),
         ..Default::default()
     };
-    let (casc, reaches) = cascade(&policy, &tasks, &runs, &params, None);
+    let (casc, reaches) = cascade(&policy, &tasks, &runs, &params, None, None);
     eprintln!(
         "cascade at min_margin {chosen:?}: accuracy {:.3} vs {:.3}, compute ratio {:.2}",
         casc.accuracy("all"),
@@ -496,13 +503,60 @@ async fn main() {
         base_compute / casc.compute.iter().sum::<f64>()
     );
 
+    // 2b. The router's confidence as a further signal: tasks whose top-1 router score is
+    // below `min_router_score` skip the first tier (at the chosen margins). Thresholds at
+    // the scores' deciles, so each row moves another tenth of the tasks.
+    let mut router_sweep = Vec::new();
+    if let Some(path) = &a.router_scores {
+        let file: Value = serde_json::from_slice(
+            &std::fs::read(path).unwrap_or_else(|e| panic!("{}: {e}", path.display())),
+        )
+        .expect("router scores JSON");
+        let scores: Vec<f32> = file["top1"]
+            .as_array()
+            .expect("`top1` array (router_scores --out)")
+            .iter()
+            .map(|x| x.as_f64().expect("score") as f32)
+            .collect();
+        assert!(scores.len() >= tasks.len(), "a router score per task");
+        let mut sorted = scores[..tasks.len()].to_vec();
+        sorted.sort_by(f32::total_cmp);
+        let mut thresholds = vec![0.0];
+        thresholds.extend((1..=5).map(|d| sorted[sorted.len() * d / 10]));
+        for thr in thresholds {
+            let p = CascadePolicy {
+                min_router_score: thr,
+                ..policy.clone()
+            };
+            let (t, _) = cascade(&p, &tasks, &runs, &params, None, Some(&scores));
+            let compute = t.compute.iter().sum::<f64>();
+            let skipped = scores[..tasks.len()].iter().filter(|&&s| s < thr).count();
+            let on_skipped = |tier: usize| {
+                (0..tasks.len())
+                    .filter(|&i| scores[i] < thr)
+                    .filter(|&i| runs[tier][i].exact)
+                    .count()
+            };
+            eprintln!(
+                "min_router_score {thr:.3}: {skipped} tasks start at {}, accuracy {:.3}, compute ratio {:.2}",
+                a.tiers[1],
+                t.accuracy("all"),
+                base_compute / compute
+            );
+            router_sweep.push(json!({"min_router_score": thr, "skipped": skipped,
+                "accuracy": t.accuracy("all"), "compute_ratio": base_compute / compute,
+                "tier_mix": t.tier_mix,
+                "skipped_exact_per_tier": (0..runs.len()).map(on_skipped).collect::<Vec<_>>()}));
+        }
+    }
+
     // 3. Speculative decoding for the tasks that reach the last tier.
     drop(engines);
     let sp = speculate(&a, &tasks, &reaches, params[0]);
     let spec_seconds: Vec<Option<f64>> = (0..tasks.len())
         .map(|i| sp.ratio[i].map(|r| runs[last][i].seconds * r))
         .collect();
-    let (casc_spec, _) = cascade(&policy, &tasks, &runs, &params, Some(&spec_seconds));
+    let (casc_spec, _) = cascade(&policy, &tasks, &runs, &params, Some(&spec_seconds), None);
     let draft_compute = sp.json["draft_compute"].as_f64().unwrap_or(0.0);
 
     // 4. Reasoning governor on the largest tier.
@@ -551,6 +605,7 @@ async fn main() {
         "speculative": sp.json,
         "governor": governor,
         "sweep": sweep,
+        "router_sweep": router_sweep,
     });
     if let Some(out) = &a.out {
         std::fs::write(out, serde_json::to_string_pretty(&report).expect("json"))
