@@ -491,7 +491,7 @@ impl Collector for NodeCollector {
             .collect();
         spec.sort_by(|a, b| a.0.cmp(&b.0));
         type Stat = fn(&EngineStats) -> u64;
-        let spec_counters: [(&str, &str, Stat); 2] = [
+        let spec_counters: [(&str, &str, Stat); 4] = [
             (
                 "spec_draft_tokens",
                 "Tokens the draft model proposed (speculative decoding)",
@@ -501,6 +501,16 @@ impl Collector for NodeCollector {
                 "spec_accepted_tokens",
                 "Drafted tokens the target accepted",
                 |s| s.draft_accepted.load(Relaxed),
+            ),
+            (
+                "spec_draft_prefill_tokens",
+                "Tokens the draft model decoded to catch up with its sequences (prompts, accepted tokens)",
+                |s| s.draft_prefill_tokens.load(Relaxed),
+            ),
+            (
+                "spec_draft_resident_tokens",
+                "Prompt tokens the draft model reused in place from a slot's kept draft KV",
+                |s| s.draft_resident_tokens.load(Relaxed),
             ),
         ];
         for (name, help, get) in spec_counters {

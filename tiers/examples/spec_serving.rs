@@ -13,6 +13,8 @@
 //! the drafted engine keeps drafts by `--acceptance rejection` (speculative sampling, the
 //! default), `exact` (kept when the target draws that very token), or `both` (one drafted
 //! engine each, same run); sampled outputs are identical to t3 alone only under `exact`.
+//! `--turns N` makes each prompt a conversation of N turns (each next prompt is the last one,
+//! its answer and a further user message), so a slot's kept KV serves the next turn.
 //! `--raw` feeds each task's user message as bare text to continue (no chat template, no
 //! tools, end-of-text banned): open-ended text, where the models are far less sure than
 //! on their tasks.
@@ -45,6 +47,7 @@ struct Args {
     draft_threads_batch: i32,
     temperature: f32,
     acceptance: Vec<DraftAcceptance>,
+    turns: usize,
 }
 
 fn args() -> Args {
@@ -59,9 +62,10 @@ fn args() -> Args {
         draft_threads_batch: DraftConfig::default().threads_batch,
         temperature: 0.0,
         acceptance: vec![DraftAcceptance::Rejection],
+        turns: 1,
     };
     const USAGE: &str =
-        "usage: spec_serving [--prompts N] [--max-tokens N] [--threads N] [--draft-threads N] [--draft-threads-batch N] [--models DIR] [--grammar | --raw] [--temperature T] [--acceptance rejection|exact|both]";
+        "usage: spec_serving [--prompts N] [--max-tokens N] [--threads N] [--draft-threads N] [--draft-threads-batch N] [--models DIR] [--grammar | --raw] [--temperature T] [--acceptance rejection|exact|both] [--turns N]";
     let usage = |why: &str| -> ! {
         eprintln!("spec_serving: {why}\n{USAGE}");
         std::process::exit(2)
@@ -96,6 +100,7 @@ fn args() -> Args {
             }
             "--models" => a.models = v.into(),
             "--temperature" => a.temperature = v.parse().expect("--temperature T"),
+            "--turns" => a.turns = v.parse().expect("--turns N"),
             "--acceptance" => {
                 a.acceptance = match v.as_str() {
                     "rejection" => vec![DraftAcceptance::Rejection],
@@ -205,8 +210,34 @@ async fn one(
     panic!("engine stopped")
 }
 
-/// Runs the prompts in waves of `conc` concurrent sequences.
-async fn run(e: &Engine, prompts: &[GenerateRequest], conc: usize, max_tokens: usize) -> Run {
+/// One conversation of `turns` turns: each next prompt is the previous one, its answer and
+/// `follow` (a further user message); one result per turn.
+async fn conversation(
+    e: &Engine,
+    req: &GenerateRequest,
+    max_tokens: usize,
+    turns: usize,
+    follow: &[i32],
+) -> Vec<(Vec<i32>, Option<Duration>, usize, usize)> {
+    let mut req = req.clone();
+    let mut outs = Vec::with_capacity(turns);
+    for _ in 0..turns {
+        let out = one(e, &req, max_tokens).await;
+        req.prompt.extend_from_slice(&out.0);
+        req.prompt.extend_from_slice(follow);
+        outs.push(out);
+    }
+    outs
+}
+
+/// Runs the prompts (conversations of `turns` turns) in waves of `conc` concurrent ones.
+async fn run(
+    e: &Engine,
+    prompts: &[GenerateRequest],
+    conc: usize,
+    max_tokens: usize,
+    (turns, follow): (usize, &[i32]),
+) -> Run {
     let (busy0, total0, mine0) = cpu();
     let t0 = Instant::now();
     let mut r = Run {
@@ -220,9 +251,12 @@ async fn run(e: &Engine, prompts: &[GenerateRequest], conc: usize, max_tokens: u
         others: 0.0,
     };
     for wave in prompts.chunks(conc) {
-        let outs =
-            futures::future::join_all(wave.iter().map(|p| one(e, p, max_tokens))).await;
-        for (toks, span, drafted, accepted) in outs {
+        let outs = futures::future::join_all(
+            wave.iter()
+                .map(|p| conversation(e, p, max_tokens, turns, follow)),
+        )
+        .await;
+        for (toks, span, drafted, accepted) in outs.into_iter().flatten() {
             r.generated += toks.len();
             r.decode_tokens += toks.len().saturating_sub(1);
             r.decode_s += span.map_or(0.0, |d| d.as_secs_f64());
@@ -247,6 +281,9 @@ fn loadavg() -> String {
         .collect::<Vec<_>>()
         .join(" ")
 }
+
+/// The user message that opens every turn after the first (`--turns`).
+const FOLLOW_UP: &str = "<|end|><|user|>Thanks. Now do the same again, please.<|end|><|assistant|>";
 
 /// The user turn of a chat-formatted prompt (the whole prompt when it has none).
 fn user_message(prompt: &str) -> &str {
@@ -300,14 +337,19 @@ async fn main() {
             }
         })
         .collect();
+    // A further user message after each answer (`--turns`), without the BOS a bare
+    // tokenization starts with.
+    let bos = plain.tokenize("").len();
+    let follow = plain.tokenize(FOLLOW_UP)[bos..].to_vec();
     // Warm-up, not measured: the first decodes fault the mmapped weights in from disk.
     for e in std::iter::once(&plain).chain(drafted.iter().map(|d| &d.1)) {
-        run(e, &prompts[..1], 1, a.max_tokens).await;
+        run(e, &prompts[..1], 1, a.max_tokens, (1, &follow)).await;
     }
     println!(
-        "{} held-out prompts ({} with the tool-call grammar), {}{}, at most {} new tokens, {} llama.cpp threads for t3 and {}/{} for the draft (one token/batches; 0 = same), loadavg at start {}",
+        "{} held-out prompts ({} with the tool-call grammar), {} turn(s) each, {}{}, at most {} new tokens, {} llama.cpp threads for t3 and {}/{} for the draft (one token/batches; 0 = same), loadavg at start {}",
         prompts.len(),
         prompts.iter().filter(|r| r.grammar.is_some()).count(),
+        a.turns,
         if a.raw { "bare user messages to continue, " } else { "" },
         if a.temperature > 0.0 {
             format!("sampled at temperature {} (top-k 40)", a.temperature)
@@ -324,10 +366,13 @@ async fn main() {
     println!("| concurrent | engine | decode tok/s per sequence | wall tok/s (incl. prefill) | identical outputs | drafts accepted | other processes' CPU (cores) |");
     println!("|---:|---|---:|---:|---:|---:|---:|");
     for conc in [1, 4] {
-        let base = run(&plain, &prompts, conc, a.max_tokens).await;
+        let base = run(&plain, &prompts, conc, a.max_tokens, (a.turns, &follow)).await;
         let mut runs = vec![("t3 alone".to_owned(), base)];
         for (name, e) in &drafted {
-            runs.push((name.clone(), run(e, &prompts, conc, a.max_tokens).await));
+            runs.push((
+                name.clone(),
+                run(e, &prompts, conc, a.max_tokens, (a.turns, &follow)).await,
+            ));
         }
         let speed = |r: &Run| r.decode_tokens as f64 / r.decode_s.max(1e-9);
         let wall = |r: &Run| r.generated as f64 / r.wall_s;
@@ -345,7 +390,7 @@ async fn main() {
             };
             let same = base.tokens.iter().zip(&r.tokens).filter(|(x, y)| x == y).count();
             let ident = if r.drafted > 0 {
-                format!("{same} / {}", prompts.len())
+                format!("{same} / {}", prompts.len() * a.turns)
             } else {
                 String::new()
             };
@@ -365,5 +410,15 @@ async fn main() {
         }
     }
     println!();
+    for (name, e) in &drafted {
+        let st = e.stats();
+        let load = |c: &std::sync::atomic::AtomicU64| c.load(std::sync::atomic::Ordering::Relaxed);
+        println!(
+            "{name}: draft decoded {} catch-up tokens, reused {} in place; the target reused {} in place",
+            load(&st.draft_prefill_tokens),
+            load(&st.draft_resident_tokens),
+            load(&st.resident_tokens)
+        );
+    }
     println!("loadavg at end {}", loadavg());
 }

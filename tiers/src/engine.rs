@@ -97,6 +97,11 @@ pub struct EngineStats {
     pub resident_hits: AtomicU64,
     /// Prompt tokens reused in place from a slot's kept KV instead of prefilled.
     pub resident_tokens: AtomicU64,
+    /// Tokens the draft model decoded to catch up with its sequences (prompts, and the
+    /// tokens accepted each round), drafts not included.
+    pub draft_prefill_tokens: AtomicU64,
+    /// Prompt tokens the draft reused in place from a slot's kept draft KV.
+    pub draft_resident_tokens: AtomicU64,
     /// Hardware counters of the engine's threads (absent where the kernel gives none).
     pub hw: crate::hwcount::HwStats,
 }
@@ -483,9 +488,26 @@ struct Slot {
 /// `0..tokens.len()`, reusable by a request of the same cache scope.
 struct Resident {
     tokens: Vec<i32>,
+    /// Leading tokens of `tokens` the slot's draft KV holds too (0 without a draft).
+    draft: usize,
     scope: String,
     /// Age stamp of its last use (lower = older, handed out first).
     used: u64,
+}
+
+/// Drops sequence `seq`'s KV cells from position `from` on and returns the positions kept:
+/// `from`, or 0 when the memory cannot drop a suffix (recurrent models), which then loses
+/// them all.
+fn cut_seq(ctx: &mut LlamaContext<'_>, seq: usize, from: usize) -> usize {
+    let cut = ctx
+        .clear_kv_cache_seq(Some(seq as u32), Some(from as u32), None)
+        .unwrap_or(false);
+    if cut {
+        from
+    } else {
+        let _ = ctx.clear_kv_cache_seq(Some(seq as u32), None, None);
+        0
+    }
 }
 
 /// Length of the common leading run of `a` and `b`.
@@ -528,6 +550,9 @@ impl<'m> Draft<'m> {
 struct SpecSeq {
     out: Vec<i32>,
     dpos: usize,
+    /// Leading positions of the draft's KV known to hold the sequence's own tokens (the
+    /// rest, up to `dpos`, are this round's drafts).
+    fed: usize,
     /// Draft length of the next round (adapts, `speculative::next_k`).
     k: usize,
     /// Drafts this step may propose (planned before the step).
@@ -700,7 +725,11 @@ impl<'m> Loop<'m> {
                 .fetch_add(p.reserve, Ordering::Relaxed);
             self.stats.active.fetch_add(1, Ordering::Relaxed);
             let stop = StopMatcher::new(&p.req.stop);
-            let (seq, in_place) = self.take_slot(&p.req.prompt, &p.req.cache_scope);
+            let (seq, in_place, draft_in_place) =
+                self.take_slot(&p.req.prompt, &p.req.cache_scope);
+            self.stats
+                .draft_resident_tokens
+                .fetch_add(draft_in_place as u64, Ordering::Relaxed);
             let (pages, prefilled) = match &mut self.kv {
                 Some(kv) => kv.restore(
                     &mut self.ctx,
@@ -731,7 +760,8 @@ impl<'m> Loop<'m> {
             // emitted token either way.
             let spec = self.draft.as_ref().map(|d| SpecSeq {
                 out: Vec::new(),
-                dpos: 0,
+                dpos: draft_in_place,
+                fed: draft_in_place,
                 k: d.cfg.k_init,
                 k_step: 0,
                 drafts: Vec::new(),
@@ -767,9 +797,10 @@ impl<'m> Loop<'m> {
 
     /// Picks a free slot for a prompt (there is one): the one whose kept KV shares the
     /// longest prefix with it, else the one kept longest unused (empty ones first). Cuts
-    /// the slot's KV to the shared part; returns the slot and the tokens kept in place
-    /// (at most `prompt.len() - 1`: the last prompt token is always prefilled for its logits).
-    fn take_slot(&mut self, prompt: &[i32], scope: &str) -> (usize, usize) {
+    /// the slot's KV (the target's and the draft's) to the shared part; returns the slot,
+    /// the tokens kept in place (at most `prompt.len() - 1`: the last prompt token is
+    /// always prefilled for its logits) and how many of them the draft's KV holds.
+    fn take_slot(&mut self, prompt: &[i32], scope: &str) -> (usize, usize, usize) {
         let limit = prompt.len().saturating_sub(1);
         let mut best: Option<(usize, usize, u64)> = None;
         for (i, slot) in self.slots.iter().enumerate() {
@@ -788,24 +819,23 @@ impl<'m> Loop<'m> {
             }
         }
         let (slot, mut shared, _) = best.expect("admit checked for a free slot");
-        if self.resident[slot].take().is_some() {
-            let cut = self
-                .ctx
-                .clear_kv_cache_seq(Some(slot as u32), Some(shared as u32), None)
-                .unwrap_or(false);
-            if !cut {
-                // A memory that cannot drop a suffix (recurrent models): start over.
-                let _ = self.ctx.clear_kv_cache_seq(Some(slot as u32), None, None);
-                shared = 0;
+        let mut draft_shared = 0;
+        if let Some(r) = self.resident[slot].take() {
+            shared = cut_seq(&mut self.ctx, slot, shared);
+            if let Some(d) = &mut self.draft {
+                draft_shared = cut_seq(&mut d.ctx, slot, shared.min(r.draft));
             }
         }
-        (slot, shared)
+        (slot, shared, draft_shared)
     }
 
     /// Forgets what a slot keeps (its KV state is not known to match its tokens).
     fn forget(&mut self, slot: usize) {
         self.resident[slot] = None;
         let _ = self.ctx.clear_kv_cache_seq(Some(slot as u32), None, None);
+        if let Some(d) = &mut self.draft {
+            let _ = d.ctx.clear_kv_cache_seq(Some(slot as u32), None, None);
+        }
     }
 
     /// Drops a slot's claim on the pages it was going to publish.
@@ -837,17 +867,21 @@ impl<'m> Loop<'m> {
         if kept {
             let mut tokens = s.req.prompt[..keep.min(prompt_len)].to_vec();
             tokens.extend_from_slice(&s.out[..keep.saturating_sub(prompt_len)]);
+            // The draft keeps what it holds of those tokens for the slot's next request
+            // (a conversation's next turn), past it only drafts, which go.
+            let draft = match (&mut self.draft, &s.spec) {
+                (Some(d), Some(sp)) => cut_seq(&mut d.ctx, i, sp.fed.min(keep)),
+                _ => 0,
+            };
             self.resident[i] = Some(Resident {
                 tokens,
+                draft,
                 scope: s.req.cache_scope.clone(),
                 used: self.next_age,
             });
             self.next_age += 1;
         } else {
             self.forget(i);
-        }
-        if let Some(d) = &mut self.draft {
-            let _ = d.ctx.clear_kv_cache_seq(Some(i as u32), None, None);
         }
         self.reserved -= s.reserve;
         self.stats
@@ -1058,7 +1092,11 @@ impl<'m> Loop<'m> {
                     )
                     .expect("checked against the batch capacity");
             }
+            self.stats
+                .draft_prefill_tokens
+                .fetch_add((to - from) as u64, Ordering::Relaxed);
             sp.dpos = to;
+            sp.fed = to;
             if drafting {
                 rows.push((slot, d.batch.n_tokens() - 1));
             }
@@ -1074,6 +1112,7 @@ impl<'m> Loop<'m> {
                         sp.drafts.clear();
                         sp.dists.clear();
                         sp.dpos = 0;
+                        sp.fed = 0;
                         let _ = d.ctx.clear_kv_cache_seq(Some(i as u32), None, None);
                     }
                 }
@@ -1158,7 +1197,10 @@ impl<'m> Loop<'m> {
         let _ = self
             .ctx
             .clear_kv_cache_seq(Some(slot as u32), Some(keep as u32), None);
+        // What the draft KV keeps now is the sequence's: the caught-up tokens and the
+        // accepted drafts.
         sp.dpos = sp.dpos.min(keep);
+        sp.fed = sp.dpos;
         let _ = d
             .ctx
             .clear_kv_cache_seq(Some(slot as u32), Some(sp.dpos as u32), None);

@@ -327,6 +327,42 @@ async fn serving_engine_with_a_draft_gives_the_targets_tokens() {
     assert!(free_steps < capped_steps, "uncapped: {free_steps} steps, capped {capped_steps}");
 }
 
+/// A conversation's next turn on a drafted tier: the slot keeps the turn's KV in both
+/// contexts, so the draft catches up on the new tokens only instead of the whole prompt
+/// again; the tokens stay t3's.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_next_turn_reuses_the_drafts_kept_kv() {
+    let plain = engine(None);
+    let spec = engine(Some(DraftAcceptance::Exact));
+    let p1 = heldout(&plain, 1).remove(0);
+    let turn1 = run(spec.submit(greedy_req(&p1, 24)).unwrap()).await;
+    let want1 = run(plain.submit(greedy_req(&p1, 24)).unwrap()).await;
+    assert_eq!(turn1.tokens, want1.tokens);
+    let follow = plain.tokenize("<|end|><|user|>Now the same for Rome, please.<|end|><|assistant|>");
+    let p2 = [p1.clone(), turn1.tokens.clone(), follow[1..].to_vec()].concat();
+
+    let stats = spec.stats();
+    let load = |c: &std::sync::atomic::AtomicU64| c.load(std::sync::atomic::Ordering::Relaxed);
+    let (fed0, kept0) = (load(&stats.draft_prefill_tokens), load(&stats.draft_resident_tokens));
+    let turn2 = run(spec.submit(greedy_req(&p2, 24)).unwrap()).await;
+    let fed = (load(&stats.draft_prefill_tokens) - fed0) as usize;
+    let kept = (load(&stats.draft_resident_tokens) - kept0) as usize;
+    let want2 = run(plain.submit(greedy_req(&p2, 24)).unwrap()).await;
+    assert_eq!(turn2.tokens, want2.tokens, "turn 2 tokens differ from t3 alone");
+    assert!(turn2.usage.draft_tokens > 0, "turn 2 drafted");
+    // The first turn's prompt stays in both KVs, and its answer up to the last round.
+    assert!(kept >= p1.len(), "draft kept {kept} tokens of a {}-token first turn", p1.len());
+    // The draft fed the new prompt tokens and, per round, the target's own token: far
+    // less than the whole prompt.
+    assert!(
+        fed <= p2.len() - kept + turn2.tokens.len(),
+        "draft fed {fed} tokens for a {}-token prompt ({kept} kept, {} generated)",
+        p2.len(),
+        turn2.tokens.len()
+    );
+    assert!(fed * 2 < p2.len(), "draft fed {fed} of a {}-token prompt", p2.len());
+}
+
 /// The distribution a sampled request draws its next token from after `tokens` on
 /// `model` (top-k, then temperature, as the engine's chain), nonzero entries by token.
 fn next_distribution(model: &LlamaModel, tokens: &[i32], s: &SamplingParams) -> Vec<(i32, f32)> {
