@@ -195,6 +195,10 @@ pub enum Event {
         reasoning_tokens: u32,
         /// The reasoning governor closed the think block.
         reasoning_capped: bool,
+        /// Tokens the serving tier's draft model proposed (0 without one).
+        draft_tokens: u32,
+        /// Of those, the ones the tier accepted.
+        draft_accepted: u32,
         /// Held-back text released at the end.
         tail: String,
     },

@@ -421,6 +421,8 @@ fn to_wire(ev: TokenEvent) -> Event {
             completion_tokens: usage.completion_tokens as u32,
             reasoning_tokens: usage.reasoning_tokens as u32,
             reasoning_capped: usage.reasoning_capped,
+            draft_tokens: usage.draft_tokens as u32,
+            draft_accepted: usage.draft_accepted as u32,
             tail,
         },
         TokenEvent::Error(e) => Event::Error(e),
@@ -437,6 +439,8 @@ fn from_wire(ev: Event) -> TokenEvent {
             completion_tokens,
             reasoning_tokens,
             reasoning_capped,
+            draft_tokens,
+            draft_accepted,
             tail,
         } => TokenEvent::Done {
             finish: match finish {
@@ -449,8 +453,8 @@ fn from_wire(ev: Event) -> TokenEvent {
                 completion_tokens: completion_tokens as usize,
                 reasoning_tokens: reasoning_tokens as usize,
                 reasoning_capped,
-                // Draft counts stay on the serving node (its metrics); the wire omits them.
-                ..Usage::default()
+                draft_tokens: draft_tokens as usize,
+                draft_accepted: draft_accepted as usize,
             },
             tail,
         },
@@ -853,5 +857,44 @@ pub fn remote_to_tier(e: &RemoteError) -> TierError {
         }
         ErrorClass::Overloaded => TierError::Overloaded(0),
         _ => TierError::EngineStopped,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use mesh_transport::frame::{self, HEADER_LEN};
+
+    /// A peer's `Done` reaches the gateway with its usage whole: the reasoning and the draft
+    /// counts survive the frame (encoded, validated, decoded).
+    #[test]
+    fn done_carries_usage_and_draft_counts_across_the_wire() {
+        let usage = Usage {
+            prompt_tokens: 700,
+            completion_tokens: 41,
+            reasoning_tokens: 9,
+            reasoning_capped: true,
+            draft_tokens: 37,
+            draft_accepted: 33,
+        };
+        let ev = TokenEvent::Done {
+            finish: FinishReason::Length,
+            usage,
+            tail: "tail".into(),
+        };
+        let bytes = frame::encode(&to_wire(ev)).unwrap();
+        let back: Event = frame::decode(&bytes[HEADER_LEN..]).unwrap();
+        match from_wire(back) {
+            TokenEvent::Done {
+                finish,
+                usage: got,
+                tail,
+            } => {
+                assert_eq!(finish, FinishReason::Length);
+                assert_eq!(got, usage);
+                assert_eq!(tail, "tail");
+            }
+            other => panic!("not a Done: {other:?}"),
+        }
     }
 }

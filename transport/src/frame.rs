@@ -25,8 +25,9 @@ use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 /// First two bytes of every frame.
 pub const MAGIC: [u8; 2] = *b"MS";
 /// Version of the envelope types this build speaks (2: `GenerateCall.reasoning_budget` and the
-/// reasoning counts of `Event::Done`; 3: `GenerateCall.role`).
-pub const WIRE_VERSION: u16 = 3;
+/// reasoning counts of `Event::Done`; 3: `GenerateCall.role`; 4: the draft counts of
+/// `Event::Done`).
+pub const WIRE_VERSION: u16 = 4;
 /// Bytes before the payload.
 pub const HEADER_LEN: usize = 8;
 /// Default payload limit of control frames (1 MiB).
