@@ -19,7 +19,7 @@ use tracing::{debug, warn};
 use crate::chat;
 use crate::kvcache::{KvCache, PromptPages, ReuseStats};
 use crate::plan::{self, SlotView, Work};
-use crate::sampler::{DraftSampler, RequestSampler};
+use crate::sampler::{allowed_argmax, DraftSampler, RequestSampler};
 use crate::speculative;
 use crate::stop::StopMatcher;
 use crate::{
@@ -564,6 +564,9 @@ struct SpecSeq {
     dists: Vec<Vec<(i32, f32)>>,
     /// Draws the drafts of a sampled request under rejection sampling.
     sampled: Option<DraftSampler>,
+    /// This round's copy of a greedy request's grammar, advanced over its drafts, so the
+    /// draft proposes only tokens the grammar allows.
+    grammar: Option<llama_cpp_2::sampling::LlamaSampler>,
     drafted: usize,
     accepted: usize,
 }
@@ -770,6 +773,7 @@ impl<'m> Loop<'m> {
                     DraftAcceptance::Rejection => DraftSampler::new(self.model, &p.req),
                     DraftAcceptance::Exact => None,
                 },
+                grammar: None,
                 drafted: 0,
                 accepted: 0,
             });
@@ -1098,6 +1102,9 @@ impl<'m> Loop<'m> {
             sp.dpos = to;
             sp.fed = to;
             if drafting {
+                // The grammar as the target will check the first draft's position (it has
+                // accepted every emitted token, the pending one included).
+                sp.grammar = s.sampler.grammar_copy();
                 rows.push((slot, d.batch.n_tokens() - 1));
             }
         }
@@ -1125,13 +1132,18 @@ impl<'m> Loop<'m> {
                     .as_mut()
                     .and_then(|s| s.spec.as_mut())
                     .expect("drafting slot is speculative");
-                let t = match &mut sp.sampled {
-                    Some(ds) => {
+                let t = match (&mut sp.sampled, &mut sp.grammar) {
+                    (Some(ds), _) => {
                         let (t, q) = ds.draw(&d.ctx, row);
                         sp.dists.push(q);
                         t
                     }
-                    None => speculative::argmax(d.ctx.get_logits_ith(row)),
+                    (None, Some(g)) => match allowed_argmax(&d.ctx, row, g) {
+                        Some(t) => t.0,
+                        // The grammar allows nothing more: the round's drafts end here.
+                        None => continue,
+                    },
+                    (None, None) => speculative::argmax(d.ctx.get_logits_ith(row)),
                 };
                 sp.drafts.push(t);
                 if sp.drafts.len() < sp.k_step {

@@ -9,6 +9,9 @@
 //! masked and the argmax taken again (what llama.cpp's own `common_sampler` does for
 //! every request). The result is exactly the grammar-first chain's, token for token.
 //!
+//! A drafted greedy request's draft proposes only tokens the grammar allows: the draft
+//! advances a copy of the grammar over its drafts ([`allowed_argmax`], same check).
+//!
 //! Sampled requests keep the grammar inside the chain: drawing first and checking after
 //! would change the distribution (and the seeded draws) of a constrained request.
 
@@ -107,6 +110,13 @@ impl RequestSampler {
         (tok, refused)
     }
 
+    /// A copy of the grammar a greedy request checks its choices against, in its current
+    /// state, for the draft to propose only tokens it allows; `None` without one (a
+    /// sampled request's grammar is inside its chain).
+    pub(crate) fn grammar_copy(&self) -> Option<LlamaSampler> {
+        self.grammar.clone()
+    }
+
     /// Accepts a token chosen elsewhere (the reasoning governor's `</think>`).
     pub(crate) fn accept(&mut self, tok: LlamaToken) {
         if let Some(g) = &mut self.grammar {
@@ -159,6 +169,36 @@ impl DraftSampler {
     pub(crate) fn uniform(&mut self) -> f32 {
         self.rng.random()
     }
+}
+
+/// The greedy token of logits row `row` of `ctx` that `grammar` allows, accepted into it:
+/// the argmax when the grammar allows it, else the argmax of the masked vocabulary; `None`
+/// when the grammar allows no token.
+pub(crate) fn allowed_argmax(
+    ctx: &LlamaContext<'_>,
+    row: i32,
+    grammar: &mut LlamaSampler,
+) -> Option<LlamaToken> {
+    let logits = ctx.get_logits_ith(row);
+    let free = crate::speculative::argmax(logits);
+    let mut one = LlamaTokenDataArray::new(
+        vec![LlamaTokenData::new(LlamaToken(free), logits[free as usize], 0.0)],
+        false,
+    );
+    grammar.apply(&mut one);
+    let tok = if one.data[0].logit() > f32::NEG_INFINITY {
+        LlamaToken(free)
+    } else {
+        let mut all = ctx.token_data_array_ith(row);
+        grammar.apply(&mut all);
+        all.data
+            .iter()
+            .filter(|d| d.logit() > f32::NEG_INFINITY)
+            .max_by(|a, b| a.logit().total_cmp(&b.logit()))?
+            .id()
+    };
+    grammar.accept(tok);
+    Some(tok)
 }
 
 /// Bans end-of-generation tokens for `ignore_eos` requests.
