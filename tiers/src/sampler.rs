@@ -182,7 +182,11 @@ pub(crate) fn allowed_argmax(
     let logits = ctx.get_logits_ith(row);
     let free = crate::speculative::argmax(logits);
     let mut one = LlamaTokenDataArray::new(
-        vec![LlamaTokenData::new(LlamaToken(free), logits[free as usize], 0.0)],
+        vec![LlamaTokenData::new(
+            LlamaToken(free),
+            logits[free as usize],
+            0.0,
+        )],
         false,
     );
     grammar.apply(&mut one);
