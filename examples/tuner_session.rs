@@ -104,7 +104,7 @@ async fn main() -> anyhow::Result<()> {
     let work: Vec<(mesh_tiers::eval::Task, Value)> = tasks
         .into_iter()
         .filter_map(|t| {
-            let body = mesh::control_api::task_request(&t, "cascade", 160).ok()?;
+            let body = mesh::http::openai::task_request(&t, "cascade", 160).ok()?;
             Some((t, body))
         })
         .collect();
@@ -181,7 +181,7 @@ async fn main() -> anyhow::Result<()> {
                 w.latency_ms.push(ms);
                 match body {
                     Some(v) => {
-                        let text = mesh::control_api::response_text(&v);
+                        let text = mesh::http::openai::response_text(&v);
                         w.exact += u64::from(mesh_tiers::eval::exact(task, &text));
                         let tier = v["mesh"]["tier"].as_str().unwrap_or("?").to_owned();
                         *w.tiers.entry(tier).or_default() += 1;

@@ -1,15 +1,19 @@
-//! The cluster: one long-lived QUIC connection per peer, heartbeats with
-//! adverts and gossip over them, failure detection, and remote calls.
+//! The cluster: one long-lived QUIC connection per peer, heartbeats with adverts and
+//! gossip over them, failure detection, and calls to named actors on peers.
 //!
 //! ```text
-//!  accept loop ─▶ adopt(conn) ─┬─▶ uni acceptor  ─▶ Control (heartbeat, leave) ─▶ Membership
-//!  dial(seed)  ─▶ adopt(conn) ─┘   bidi acceptor ─▶ Request ─▶ Service (tier actors) ─▶ Reply…
-//!  ticker: every `heartbeat`: send adverts, sweep (dead ⇒ close its connection), re-dial seeds
+//!  accept loop ─▶ adopt(conn) ─┬─▶ uni acceptor  ─▶ Control (heartbeat, leave) ─▶ MembershipActor
+//!  dial(seed)  ─▶ adopt(conn) ─┘   bidi acceptor ─▶ Request::Call(envelope) ─▶ Exports ─▶ actor …
+//!  MembershipActor, every `heartbeat`: send adverts, sweep (dead ⇒ close its connection), re-dial seeds
 //! ```
 //!
-//! A peer is declared dead when no heartbeat came for `failure_timeout` or its
-//! connection closed; its connection is then closed, which fails every call
-//! streaming from it at once, so callers can re-run them elsewhere.
+//! A peer is declared dead when no heartbeat came for `failure_timeout` or its connection
+//! closed; its connection is then closed, which fails every call streaming from it at once,
+//! so callers can re-run them elsewhere. The accept loop and the per-connection acceptors
+//! are tracked tasks ([`crate::tasks`]); heartbeats, sweeps and the membership table's
+//! updates belong to the membership actor ([`MembershipActor`]), a child of the node
+//! supervisor: while it restarts, incoming heartbeats are applied here directly and the
+//! table (kept outside the actor) stays, so a crash of it does not make the node look dead.
 
 use std::collections::HashSet;
 use std::net::SocketAddr;
@@ -21,13 +25,19 @@ use dashmap::DashMap;
 use futures::future::{BoxFuture, FutureExt, Shared};
 use mesh_transport::frame::{read_frame, write_frame, FrameError};
 use mesh_transport::{Endpoint, PeerConnection, TransportConfig, DEFAULT_MAX_FRAME};
+use ractor::{Actor, ActorProcessingErr, ActorRef};
 use tokio::sync::mpsc;
-use tracing::{debug, info, warn, Instrument};
+use tracing::{debug, info, warn};
 
 use crate::membership::{Change, Membership, PeerState};
+use crate::remote::{self, CallContext, Exports, Protocol, Wire};
 use crate::routing::Candidate;
+use crate::supervisor::ActorSlot;
+use crate::tasks::{Life, Tasks};
 use crate::wire::{
-    Control, ErrorClass, Event, GenerateCall, NodeAdvert, RemoteError, Reply, Request, TierAdvert,
+    Answer, CallStatus, Control, Envelope, ErrorClass, Event, GenerateCall, Header, NamespacePages,
+    NodeAdvert, PageBlob, RemoteError, Reply, Request, RouterCall, RouterItem, StoreCall,
+    StoreItem, TierAdvert, TierCall, TierItem,
 };
 
 /// Connection close code when a peer is declared dead.
@@ -74,30 +84,17 @@ impl Default for ClusterConfig {
     }
 }
 
-/// What this node serves to peers (implemented by the node over its tier actors).
-pub trait Service: Send + Sync + 'static {
-    /// Tiers hosted here with live load.
-    fn tiers(&self) -> Vec<TierAdvert>;
-    /// Starts a generation on a local tier.
-    fn generate(
-        &self,
-        call: GenerateCall,
-    ) -> BoxFuture<'static, Result<mpsc::UnboundedReceiver<Event>, RemoteError>>;
-    /// Tokenizes with a local tier.
-    fn tokenize(
-        &self,
-        model: String,
-        text: String,
-    ) -> BoxFuture<'static, Result<Vec<i32>, RemoteError>>;
-    /// Stored forms of the leading pages of `ids` held by a local tier (stops at the first
-    /// missing one).
-    fn fetch_pages(
-        &self,
-        model: String,
-        salt: Vec<u8>,
-        ids: Vec<Vec<u8>>,
-    ) -> BoxFuture<'static, Vec<(Vec<u8>, Vec<u8>)>>;
+/// What this node says about itself in heartbeats, besides who it is.
+#[derive(Debug, Clone, Default)]
+pub struct LocalAdvert {
+    /// Tiers hosted, with live load and page sets.
+    pub tiers: Vec<TierAdvert>,
+    /// Pages held outside the tiers' own namespaces (a store node's).
+    pub pages: Vec<NamespacePages>,
 }
+
+/// Builds this node's advert (the node reads its engines and asks its page store).
+pub type AdvertSource = Arc<dyn Fn() -> BoxFuture<'static, LocalAdvert> + Send + Sync>;
 
 /// Largest page frame accepted from a peer (pages of big models are MiB-sized).
 pub const MAX_PAGE_FRAME: usize = 256 << 20;
@@ -174,6 +171,10 @@ pub struct MemberView {
     pub state: &'static str,
     /// Tiers with load.
     pub tiers: Vec<TierAdvert>,
+    /// What it runs (`gateway`, `tiers`, `store`).
+    pub roles: Vec<String>,
+    /// Actors peers may call on it.
+    pub actors: Vec<String>,
     /// Seconds since the node's process started.
     pub uptime_s: u64,
     /// Milliseconds since its last heartbeat (0 for this node).
@@ -185,7 +186,11 @@ struct Inner {
     endpoint: Endpoint,
     quic_addr: String,
     cfg: ClusterConfig,
-    service: Arc<dyn Service>,
+    roles: Vec<String>,
+    exports: Exports,
+    source: AdvertSource,
+    /// The advert parts last built (heartbeats sent on a new connection use them).
+    local: Mutex<LocalAdvert>,
     started_ms: u64,
     members: Mutex<Membership>,
     conns: DashMap<String, quinn::Connection>,
@@ -194,6 +199,8 @@ struct Inner {
     /// Page pulls in flight, by a hash of (peer, tier, salt, page ids).
     pulls: DashMap<[u8; 32], PagePull>,
     stopping: AtomicBool,
+    tasks: Tasks,
+    membership: Arc<ActorSlot<MembershipMsg>>,
 }
 
 /// Handle to this node's cluster membership (cheap to clone).
@@ -241,37 +248,50 @@ impl Drop for InflightGuard {
     }
 }
 
+/// Items of a call as they arrive; the stream ends after the last (or an error).
+pub type CallStream<T> = mpsc::UnboundedReceiver<Result<T, CallError>>;
+
 impl Cluster {
-    /// Binds the QUIC endpoint, starts the accept and heartbeat loops, and dials the seeds.
-    /// Fails if seeds were given and none could be reached (e.g. a certificate from another
+    /// Binds the accept loop (a tracked task of `tasks`) and dials the seeds; the
+    /// heartbeats start with the membership actor ([`Cluster::membership_spec`]). Fails if
+    /// seeds were given and none could be reached (e.g. a certificate from another
     /// cluster: the handshake is refused).
     pub async fn start(
         endpoint: Endpoint,
         cfg: ClusterConfig,
-        service: Arc<dyn Service>,
+        roles: Vec<String>,
+        exports: Exports,
+        source: AdvertSource,
+        tasks: Tasks,
     ) -> Result<Self, String> {
         let me = endpoint.name().to_owned();
         let quic_addr = endpoint
             .local_addr()
             .map_err(|e| e.to_string())?
             .to_string();
+        let local = source().await;
         let inner = Arc::new(Inner {
             members: Mutex::new(Membership::new(me.clone())),
             me,
             endpoint,
             quic_addr,
             cfg,
-            service,
+            roles,
+            exports,
+            source,
+            local: Mutex::new(local),
             started_ms: now_ms(),
             conns: DashMap::new(),
             dialing: Mutex::new(HashSet::new()),
             inflight: DashMap::new(),
             pulls: DashMap::new(),
             stopping: AtomicBool::new(false),
+            tasks,
+            membership: Arc::default(),
         });
         let c = Cluster { inner };
         let acc = c.clone();
-        tokio::spawn(async move {
+        c.inner.tasks.spawn("quic-accept", Life::Long, async move {
             while let Some(pc) = acc.inner.endpoint.accept().await {
                 acc.adopt(pc);
             }
@@ -292,11 +312,25 @@ impl Cluster {
         }
         if !joined {
             c.inner.endpoint.close(CLOSE_LEAVING);
+            c.inner.tasks.close();
             return Err(format!("no seed could be reached: {}", errors.join("; ")));
         }
-        let tick = c.clone();
-        tokio::spawn(async move { tick.ticker().await });
         Ok(c)
+    }
+
+    /// The membership actor of this cluster, for the node supervisor.
+    pub fn membership_spec(&self) -> crate::node::ChildSpec {
+        crate::node::ChildSpec::new(
+            "membership",
+            MembershipActor,
+            self.clone(),
+            self.inner.membership.clone(),
+        )
+    }
+
+    /// The membership actor's slot (fault injection).
+    pub fn membership(&self) -> &Arc<ActorSlot<MembershipMsg>> {
+        &self.inner.membership
     }
 
     /// This node's name.
@@ -336,7 +370,7 @@ impl Cluster {
             }
         }
         let c = self.clone();
-        tokio::spawn(async move {
+        self.inner.tasks.spawn("quic-dial", Life::Short, async move {
             let res = match addr.parse::<SocketAddr>() {
                 Ok(a) => c.inner.endpoint.connect(a).await.map_err(|e| e.to_string()),
                 Err(e) => Err(format!("bad address {addr}: {e}")),
@@ -366,50 +400,120 @@ impl Cluster {
         self.send_heartbeat(conn.clone());
         let c = self.clone();
         let (p, cn) = (peer.clone(), conn.clone());
-        tokio::spawn(async move {
-            loop {
-                match cn.accept_uni().await {
-                    Ok(recv) => {
-                        let c = c.clone();
-                        let (p, cn) = (p.clone(), cn.clone());
-                        tokio::spawn(async move { c.on_control(p, cn, recv).await });
-                    }
-                    Err(e) => {
-                        let leaving = matches!(&e, quinn::ConnectionError::ApplicationClosed(a)
+        self.inner
+            .tasks
+            .spawn("peer-control", Life::Short, async move {
+                loop {
+                    match cn.accept_uni().await {
+                        Ok(recv) => {
+                            let c = c.clone();
+                            let (p, cn) = (p.clone(), cn.clone());
+                            tokio::spawn(async move { c.on_control(p, cn, recv).await });
+                        }
+                        Err(e) => {
+                            let leaving = matches!(&e, quinn::ConnectionError::ApplicationClosed(a)
                             if a.error_code == quinn::VarInt::from_u32(CLOSE_LEAVING));
-                        c.on_conn_closed(&p, &cn, &e.to_string(), leaving);
-                        return;
+                            c.membership_event(MembershipMsg::Closed {
+                                peer: p.clone(),
+                                conn: cn.clone(),
+                                why: e.to_string(),
+                                leaving,
+                            });
+                            return;
+                        }
+                    }
+                }
+            });
+        let c = self.clone();
+        self.inner
+            .tasks
+            .spawn("peer-calls", Life::Short, async move {
+                while let Ok((send, recv)) = conn.accept_bi().await {
+                    let c = c.clone();
+                    let p = peer.clone();
+                    tokio::spawn(async move { c.serve(p, send, recv).await });
+                }
+            });
+    }
+
+    /// Hands a membership event to the membership actor, or applies it here while the
+    /// actor restarts (no heartbeat or closed connection is lost to a restart).
+    fn membership_event(&self, msg: MembershipMsg) {
+        let msg = match self.inner.membership.get() {
+            Some(a) => match a.send_message(msg) {
+                Ok(()) => return,
+                Err(e) => match e {
+                    ractor::MessagingErr::SendErr(m) => m,
+                    _ => return,
+                },
+            },
+            None => msg,
+        };
+        self.apply(msg);
+    }
+
+    /// Applies a membership event (the membership actor's work).
+    fn apply(&self, msg: MembershipMsg) {
+        match msg {
+            MembershipMsg::Heartbeat { peer, advert, conn } => {
+                // A heartbeat on a connection we no longer hold (after a failure verdict)
+                // re-adopts it.
+                self.inner
+                    .conns
+                    .entry(peer.clone())
+                    .or_insert_with(|| conn.clone());
+                let (change, unknown) = {
+                    let mut m = self.inner.members.lock().expect("members");
+                    let unknown = m.unknown(&advert);
+                    (m.heartbeat(advert.clone(), Instant::now()), unknown)
+                };
+                let tiers: Vec<&str> = advert.tiers.iter().map(|t| t.name.as_str()).collect();
+                match change {
+                    Change::Joined => {
+                        info!(%peer, addr = %advert.quic_addr, ?tiers, roles = ?advert.roles, "peer joined")
+                    }
+                    Change::Rejoined => {
+                        info!(%peer, addr = %advert.quic_addr, ?tiers, "peer rejoined")
+                    }
+                    Change::Updated => {}
+                }
+                for p in unknown {
+                    self.dial_peer(p.node, p.quic_addr);
+                }
+            }
+            MembershipMsg::Leave { peer, conn } => {
+                if self.inner.members.lock().expect("members").leave(&peer) {
+                    info!(%peer, "peer left");
+                    self.inner
+                        .conns
+                        .remove_if(&peer, |_, c| c.stable_id() == conn.stable_id());
+                }
+            }
+            MembershipMsg::Closed {
+                peer,
+                conn,
+                why,
+                leaving,
+            } => {
+                let current = self
+                    .inner
+                    .conns
+                    .remove_if(&peer, |_, c| c.stable_id() == conn.stable_id())
+                    .is_some();
+                if leaving {
+                    if self.inner.members.lock().expect("members").leave(&peer) {
+                        info!(%peer, "peer left (connection closed by a leaving node)");
+                    }
+                    return;
+                }
+                if current && !self.inner.stopping.load(Ordering::Relaxed) {
+                    let was_alive = self.inner.members.lock().expect("members").fail(&peer);
+                    if was_alive {
+                        warn!(%peer, reason = %why, "peer connection lost; peer marked dead");
                     }
                 }
             }
-        });
-        let c = self.clone();
-        tokio::spawn(async move {
-            while let Ok((send, recv)) = conn.accept_bi().await {
-                let c = c.clone();
-                let p = peer.clone();
-                tokio::spawn(async move { c.serve(p, send, recv).await });
-            }
-        });
-    }
-
-    fn on_conn_closed(&self, peer: &str, conn: &quinn::Connection, why: &str, leaving: bool) {
-        let current = self
-            .inner
-            .conns
-            .remove_if(peer, |_, c| c.stable_id() == conn.stable_id())
-            .is_some();
-        if leaving {
-            if self.inner.members.lock().expect("members").leave(peer) {
-                info!(%peer, "peer left (connection closed by a leaving node)");
-            }
-            return;
-        }
-        if current && !self.inner.stopping.load(Ordering::Relaxed) {
-            let was_alive = self.inner.members.lock().expect("members").fail(peer);
-            if was_alive {
-                warn!(%peer, reason = %why, "peer connection lost; peer marked dead");
-            }
+            MembershipMsg::Tick | MembershipMsg::AdvertiseNow | MembershipMsg::Crash => {}
         }
     }
 
@@ -430,47 +534,42 @@ impl Cluster {
                     conn.close(CLOSE_IMPOSTOR.into(), b"advert does not match certificate");
                     return;
                 }
-                // A heartbeat on a connection we no longer hold (after a failure verdict) re-adopts it.
-                self.inner
-                    .conns
-                    .entry(peer.clone())
-                    .or_insert_with(|| conn.clone());
-                let (change, unknown) = {
-                    let mut m = self.inner.members.lock().expect("members");
-                    let unknown = m.unknown(&advert);
-                    (m.heartbeat(advert.clone(), Instant::now()), unknown)
-                };
-                let tiers: Vec<&str> = advert.tiers.iter().map(|t| t.name.as_str()).collect();
-                match change {
-                    Change::Joined => info!(%peer, addr = %advert.quic_addr, ?tiers, "peer joined"),
-                    Change::Rejoined => {
-                        info!(%peer, addr = %advert.quic_addr, ?tiers, "peer rejoined")
-                    }
-                    Change::Updated => {}
-                }
-                for p in unknown {
-                    self.dial_peer(p.node, p.quic_addr);
-                }
+                self.membership_event(MembershipMsg::Heartbeat { peer, advert, conn });
             }
             Control::Leave { node } => {
-                if node == peer && self.inner.members.lock().expect("members").leave(&node) {
-                    info!(%peer, "peer left");
-                    self.inner
-                        .conns
-                        .remove_if(&peer, |_, c| c.stable_id() == conn.stable_id());
+                if node == peer {
+                    self.membership_event(MembershipMsg::Leave { peer, conn });
                 }
             }
         }
     }
 
     fn advert(&self) -> NodeAdvert {
+        let local = self.inner.local.lock().expect("local advert").clone();
         NodeAdvert {
             node: self.inner.me.clone(),
             quic_addr: self.inner.quic_addr.clone(),
             http_addr: self.inner.cfg.http_addr.clone(),
             started_ms: self.inner.started_ms,
-            tiers: self.inner.service.tiers(),
+            tiers: local.tiers,
             peers: self.inner.members.lock().expect("members").gossip(),
+            roles: self.inner.roles.clone(),
+            actors: self.inner.exports.names(),
+            pages: local.pages,
+        }
+    }
+
+    /// Sends this node's advert to every peer now (a tier started or stopped), rather than
+    /// at the next heartbeat.
+    pub fn advertise_now(&self) {
+        match self.inner.membership.get() {
+            Some(a) => {
+                let _ = a.send_message(MembershipMsg::AdvertiseNow);
+            }
+            None => {
+                let c = self.clone();
+                tokio::spawn(async move { c.heartbeat_all(true).await });
+            }
         }
     }
 
@@ -479,55 +578,60 @@ impl Cluster {
         tokio::spawn(async move { send_control(&conn, &msg).await });
     }
 
-    async fn ticker(&self) {
-        let mut tick = tokio::time::interval(self.inner.cfg.heartbeat);
-        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-        let mut n: u64 = 0;
-        while !self.inner.stopping.load(Ordering::Relaxed) {
-            tick.tick().await;
-            n += 1;
-            let msg = Control::Heartbeat(self.advert());
-            for e in self.inner.conns.iter() {
-                let (conn, msg) = (e.value().clone(), msg.clone());
-                tokio::spawn(async move { send_control(&conn, &msg).await });
+    /// Rebuilds this node's advert when `refresh`, and sends it to every peer.
+    async fn heartbeat_all(&self, refresh: bool) {
+        if refresh {
+            let local = (self.inner.source)().await;
+            *self.inner.local.lock().expect("local advert") = local;
+        }
+        let msg = Control::Heartbeat(self.advert());
+        for e in self.inner.conns.iter() {
+            let (conn, msg) = (e.value().clone(), msg.clone());
+            tokio::spawn(async move { send_control(&conn, &msg).await });
+        }
+    }
+
+    /// One heartbeat period: adverts out, dead peers swept, seeds re-dialed every 8th.
+    async fn tick(&self, n: u64) {
+        self.heartbeat_all(true).await;
+        let dead = self
+            .inner
+            .members
+            .lock()
+            .expect("members")
+            .sweep(Instant::now(), self.inner.cfg.failure_timeout);
+        for peer in dead {
+            warn!(%peer, timeout_ms = self.inner.cfg.failure_timeout.as_millis() as u64,
+                "no heartbeat; peer declared dead");
+            if let Some((_, conn)) = self.inner.conns.remove(&peer) {
+                conn.close(CLOSE_DEAD.into(), b"declared dead: no heartbeat");
             }
-            let dead = self
+        }
+        // Seeds that restarted (or were down when we started) are dialed again.
+        if n % 8 == 0 {
+            let known: HashSet<String> = self
                 .inner
                 .members
                 .lock()
                 .expect("members")
-                .sweep(Instant::now(), self.inner.cfg.failure_timeout);
-            for peer in dead {
-                warn!(%peer, timeout_ms = self.inner.cfg.failure_timeout.as_millis() as u64,
-                    "no heartbeat; peer declared dead");
-                if let Some((_, conn)) = self.inner.conns.remove(&peer) {
-                    conn.close(CLOSE_DEAD.into(), b"declared dead: no heartbeat");
-                }
-            }
-            // Seeds that restarted (or were down when we started) are dialed again.
-            if n % 8 == 0 {
-                let known: HashSet<String> = self
-                    .inner
-                    .members
-                    .lock()
-                    .expect("members")
-                    .alive()
-                    .map(|p| p.advert.quic_addr.clone())
-                    .collect();
-                for seed in &self.inner.cfg.seeds {
-                    let seed_known = tokio::net::lookup_host(seed.as_str())
-                        .await
-                        .map(|mut a| a.any(|a| known.contains(&a.to_string())))
-                        .unwrap_or(false);
-                    if !seed_known {
-                        let c = self.clone();
-                        let seed = seed.clone();
-                        tokio::spawn(async move {
+                .alive()
+                .map(|p| p.advert.quic_addr.clone())
+                .collect();
+            for seed in &self.inner.cfg.seeds {
+                let seed_known = tokio::net::lookup_host(seed.as_str())
+                    .await
+                    .map(|mut a| a.any(|a| known.contains(&a.to_string())))
+                    .unwrap_or(false);
+                if !seed_known {
+                    let c = self.clone();
+                    let seed = seed.clone();
+                    self.inner
+                        .tasks
+                        .spawn("quic-dial", Life::Short, async move {
                             if let Ok(peer) = c.dial_seed(&seed).await {
                                 debug!(%seed, %peer, "re-dialed seed");
                             }
                         });
-                    }
                 }
             }
         }
@@ -548,66 +652,16 @@ impl Cluster {
         match req {
             Request::Ping { nonce, payload } => {
                 let _ = write_frame(&mut send, &Reply::Pong { nonce, payload }).await;
+                let _ = send.finish();
             }
-            Request::FetchPages { model, salt, ids } => {
-                for (id, stored) in self.inner.service.fetch_pages(model, salt, ids).await {
-                    if write_frame(&mut send, &Reply::Page { id, stored })
-                        .await
-                        .is_err()
-                    {
-                        return;
-                    }
-                }
-            }
-            Request::Tokenize { model, text } => {
-                let reply = match self.inner.service.tokenize(model, text).await {
-                    Ok(t) => Reply::Tokens(t),
-                    Err(e) => Reply::Error(e),
-                };
-                let _ = write_frame(&mut send, &reply).await;
-            }
-            Request::Generate(call) => {
-                let span = tracing::info_span!("cluster.serve_generate", mesh.peer = %peer,
-                    gen_ai.request.model = %call.model, mesh.request_id = %call.request_id);
-                let deadline = (call.deadline_ms > 0)
-                    .then(|| tokio::time::Instant::now() + Duration::from_millis(call.deadline_ms));
-                let started = self.inner.service.generate(call).instrument(span).await;
-                let mut rx = match started {
-                    Ok(rx) => rx,
-                    Err(e) => {
-                        let _ = write_frame(&mut send, &Reply::Error(e)).await;
-                        let _ = send.finish();
-                        return;
-                    }
-                };
-                loop {
-                    let ev = match deadline {
-                        Some(d) => match tokio::time::timeout_at(d, rx.recv()).await {
-                            Ok(ev) => ev,
-                            Err(_) => {
-                                let _ = write_frame(
-                                    &mut send,
-                                    &Reply::Error(RemoteError {
-                                        class: ErrorClass::Deadline,
-                                        message: "deadline passed".into(),
-                                    }),
-                                )
-                                .await;
-                                break;
-                            }
-                        },
-                        None => rx.recv().await,
-                    };
-                    let Some(ev) = ev else { break };
-                    let last = matches!(ev, Event::Done { .. } | Event::Error(_));
-                    // A failed write means the caller went away: dropping `rx` cancels the sequence.
-                    if write_frame(&mut send, &Reply::Event(ev)).await.is_err() || last {
-                        break;
-                    }
-                }
+            Request::Call(envelope) => {
+                let ctx = CallContext { peer, envelope };
+                self.inner
+                    .exports
+                    .serve(ctx, send, recv, self.inner.cfg.max_frame)
+                    .await;
             }
         }
-        let _ = send.finish();
     }
 
     async fn open_call(
@@ -630,53 +684,147 @@ impl Cluster {
         Ok((send, recv))
     }
 
-    async fn first_reply(
+    /// Calls actor `P` on `node`: resolves when the callee accepted the call or refused
+    /// it; the items then stream on the receiver, ending after the last or with an error
+    /// (`CallError::Lost` when the connection broke). Dropping the receiver cancels the
+    /// call. `deadline` (zero: none) bounds the call on the callee.
+    ///
+    /// Cancel safety: cancel-safe.
+    pub async fn call<P: Protocol>(
         &self,
         node: &str,
-        recv: &mut quinn::RecvStream,
-    ) -> Result<Reply, CallError> {
-        match tokio::time::timeout(
+        call: &P::Call,
+        deadline: Duration,
+        trace: Vec<Header>,
+    ) -> Result<CallStream<P::Item>, CallError> {
+        let envelope = Envelope {
+            actor: P::ACTOR.to_owned(),
+            deadline_ms: deadline.as_millis() as u64,
+            trace,
+        };
+        let (mut send, mut recv) = self.open_call(node, &Request::Call(envelope)).await?;
+        let lost = |reason: String| CallError::Lost {
+            node: node.to_owned(),
+            reason,
+        };
+        call.write(&mut send)
+            .await
+            .map_err(|e| lost(e.to_string()))?;
+        let status = tokio::time::timeout(
             self.inner.cfg.call_timeout,
-            read_frame::<Reply, _>(recv, self.inner.cfg.max_frame),
+            CallStatus::read(&mut recv, self.inner.cfg.max_frame),
         )
-        .await
-        {
-            Err(_) => Err(CallError::Timeout(node.to_owned())),
-            Ok(Ok(Some(Reply::Error(e)))) => Err(CallError::Remote(e)),
-            Ok(Ok(Some(r))) => Ok(r),
-            Ok(Ok(None)) => Err(CallError::Lost {
-                node: node.to_owned(),
-                reason: "stream ended without a reply".into(),
-            }),
-            Ok(Err(e)) => Err(CallError::Lost {
-                node: node.to_owned(),
-                reason: e.to_string(),
-            }),
+        .await;
+        match status {
+            Err(_) => return Err(CallError::Timeout(node.to_owned())),
+            Ok(Ok(Some(CallStatus::Accepted))) => {}
+            Ok(Ok(Some(CallStatus::Refused(e)))) => return Err(CallError::Remote(e)),
+            Ok(Ok(None)) => return Err(lost("stream ended without an answer".into())),
+            Ok(Err(e)) => return Err(lost(e.to_string())),
         }
+        let (tx, rx) = mpsc::unbounded_channel();
+        let node = node.to_owned();
+        tokio::spawn(async move {
+            let _send = send; // keep our half open until the call ends
+            loop {
+                let r = <P::Item as remote::Item>::Answer::read(&mut recv, P::MAX_ITEM).await;
+                let (item, last) = match r.map(|a| a.map(Into::into)) {
+                    Ok(Some(Answer::Item(i))) => (Ok(i), false),
+                    Ok(Some(Answer::End)) => return,
+                    Ok(Some(Answer::Error(e))) => (Err(CallError::Remote(e)), true),
+                    Ok(None) => (
+                        Err(CallError::Lost {
+                            node: node.clone(),
+                            reason: "stream ended before the call finished".into(),
+                        }),
+                        true,
+                    ),
+                    Err(e) => (
+                        Err(CallError::Lost {
+                            node: node.clone(),
+                            reason: e.to_string(),
+                        }),
+                        true,
+                    ),
+                };
+                if tx.send(item).is_err() || last {
+                    return;
+                }
+            }
+        });
+        Ok(rx)
+    }
+
+    /// [`call`](Self::call) for a call answered by one item.
+    ///
+    /// Cancel safety: cancel-safe.
+    pub async fn ask<P: Protocol>(
+        &self,
+        node: &str,
+        call: &P::Call,
+        deadline: Duration,
+    ) -> Result<P::Item, CallError> {
+        let mut rx = self.call::<P>(node, call, deadline, vec![]).await?;
+        rx.recv().await.unwrap_or_else(|| {
+            Err(CallError::Lost {
+                node: node.to_owned(),
+                reason: "the call ended without an answer".into(),
+            })
+        })
     }
 
     /// Tokenizes `text` with tier `model` on `node`.
     ///
-    /// Cancel safety: cancel-safe (the stream is dropped).
+    /// Cancel safety: cancel-safe.
     pub async fn tokenize(
         &self,
         node: &str,
         model: &str,
         text: &str,
     ) -> Result<Vec<i32>, CallError> {
-        let (_send, mut recv) = self
-            .open_call(
-                node,
-                &Request::Tokenize {
-                    model: model.to_owned(),
-                    text: text.to_owned(),
-                },
-            )
-            .await?;
-        match self.first_reply(node, &mut recv).await? {
-            Reply::Tokens(t) => Ok(t),
+        let call = TierCall::Tokenize {
+            model: model.to_owned(),
+            text: text.to_owned(),
+        };
+        match self
+            .ask::<crate::tier::TierProtocol>(node, &call, self.inner.cfg.call_timeout)
+            .await?
+        {
+            TierItem::Tokens(t) => Ok(t),
             other => Err(unexpected(node, &other)),
         }
+    }
+
+    /// Starts a generation on `node`. Resolves when the callee accepted it (its first event
+    /// arrived) or refused it; events then stream on the receiver. A broken connection ends
+    /// the stream with `Err(CallError::Lost)`. Dropping the receiver cancels the call.
+    ///
+    /// Cancel safety: cancel-safe.
+    pub async fn generate(
+        &self,
+        node: &str,
+        call: GenerateCall,
+    ) -> Result<CallStream<Event>, CallError> {
+        let deadline = Duration::from_millis(call.deadline_ms);
+        let trace = call.trace.clone();
+        let mut items = self
+            .call::<crate::tier::TierProtocol>(node, &TierCall::Generate(call), deadline, trace)
+            .await?;
+        let (tx, rx) = mpsc::unbounded_channel();
+        let node = node.to_owned();
+        tokio::spawn(async move {
+            while let Some(item) = items.recv().await {
+                let ev = match item {
+                    Ok(TierItem::Event(ev)) => Ok(ev),
+                    Ok(other) => Err(unexpected(&node, &other)),
+                    Err(e) => Err(e),
+                };
+                if tx.send(ev).is_err() {
+                    return;
+                }
+            }
+        });
+        Ok(rx)
     }
 
     /// Fetches the leading pages of `ids` that `node` holds for tier `model`, in their stored
@@ -727,56 +875,109 @@ impl Cluster {
         salt: [u8; 32],
         ids: Vec<[u8; 32]>,
     ) -> Result<PulledPages, CallError> {
-        let req = Request::FetchPages {
-            model: model.to_owned(),
+        let call = StoreCall::Fetch {
+            ns: model.to_owned(),
             salt: salt.to_vec(),
             ids: ids.iter().map(|i| i.to_vec()).collect(),
         };
-        let (_send, mut recv) = self.open_call(node, &req).await?;
-        let mut out = vec![];
-        loop {
-            let frame = tokio::time::timeout(
+        let mut items = self
+            .call::<crate::pagestore::StoreProtocol>(
+                node,
+                &call,
                 self.inner.cfg.call_timeout,
-                read_frame::<Reply, _>(&mut recv, MAX_PAGE_FRAME),
+                vec![],
             )
-            .await
-            .map_err(|_| CallError::Timeout(node.to_owned()))?;
-            match frame {
-                Ok(Some(Reply::Page { id, stored })) => {
+            .await?;
+        let mut out = vec![];
+        while let Some(item) = items.recv().await {
+            match item? {
+                StoreItem::Page(PageBlob { id, stored }) => {
                     let id: [u8; 32] = id.try_into().map_err(|_| CallError::Lost {
                         node: node.to_owned(),
                         reason: "page id of wrong length".into(),
                     })?;
                     out.push((id, stored));
                 }
-                Ok(Some(Reply::Error(e))) => return Err(CallError::Remote(e)),
-                Ok(Some(other)) => return Err(unexpected(node, &other)),
-                Ok(None) => return Ok(out),
-                Err(e) => {
-                    return Err(CallError::Lost {
-                        node: node.to_owned(),
-                        reason: e.to_string(),
-                    })
-                }
+                other => return Err(unexpected(node, &other)),
             }
+        }
+        Ok(out)
+    }
+
+    /// Hands pages (stored forms) of namespace `ns` to the page store of `node` (demotion to
+    /// a store node); how many it kept.
+    ///
+    /// Cancel safety: cancel-safe (pages sent before the cancel may be kept).
+    pub async fn put_pages(
+        &self,
+        node: &str,
+        ns: &str,
+        base: [u8; 32],
+        block: u32,
+        pages: Vec<PageBlob>,
+    ) -> Result<u32, CallError> {
+        let call = StoreCall::Put {
+            ns: ns.to_owned(),
+            base: base.to_vec(),
+            block,
+            pages,
+        };
+        match self
+            .ask::<crate::pagestore::StoreProtocol>(node, &call, self.inner.cfg.call_timeout)
+            .await?
+        {
+            StoreItem::Stored { pages } => Ok(pages),
+            other => Err(unexpected(node, &other)),
         }
     }
 
-    /// Live peers hosting `tier`, with their adverts for it.
-    pub fn tier_adverts(&self, tier: &str) -> Vec<(String, TierAdvert)> {
+    /// Asks the tool router on `node` which tools to show.
+    ///
+    /// Cancel safety: cancel-safe.
+    pub async fn route_tools(&self, node: &str, call: RouterCall) -> Result<RouterItem, CallError> {
+        self.ask::<crate::router::RouterProtocol>(node, &call, self.inner.cfg.call_timeout)
+            .await
+    }
+
+    /// For each live, connected peer, what `f` finds in its advert.
+    fn from_live<T>(&self, f: impl Fn(&NodeAdvert) -> Option<T>) -> Vec<(String, T)> {
         let m = self.inner.members.lock().expect("members");
         let out = m
             .alive()
             .filter(|p| self.inner.conns.contains_key(&p.advert.node))
-            .filter_map(|p| {
-                p.advert
-                    .tiers
-                    .iter()
-                    .find(|t| t.name == tier)
-                    .map(|t| (p.advert.node.clone(), t.clone()))
-            })
+            .filter_map(|p| f(&p.advert).map(|t| (p.advert.node.clone(), t)))
             .collect();
         out
+    }
+
+    /// Live peers hosting `tier`, with their adverts for it.
+    pub fn tier_adverts(&self, tier: &str) -> Vec<(String, TierAdvert)> {
+        self.from_live(|a| a.tiers.iter().find(|t| t.name == tier).cloned())
+    }
+
+    /// Live peers whose store holds pages of namespace `ns` beside their tiers (store
+    /// nodes), with those pages.
+    pub fn store_pages(&self, ns: &str) -> Vec<(String, NamespacePages)> {
+        self.from_live(|a| a.pages.iter().find(|n| n.ns == ns).cloned())
+    }
+
+    /// Live peers that export actor `actor`, best first (fewest in flight from here).
+    pub fn peers_with(&self, actor: &str) -> Vec<String> {
+        let mut out: Vec<String> = self
+            .from_live(|a| a.actors.iter().any(|x| x == actor).then_some(()))
+            .into_iter()
+            .map(|(n, ())| n)
+            .collect();
+        out.sort_by_key(|n| self.inflight_count(n, actor));
+        out
+    }
+
+    /// Live peers running role `role` (`store`, `tiers`, `gateway`).
+    pub fn peers_in_role(&self, role: &str) -> Vec<String> {
+        self.from_live(|a| a.roles.iter().any(|r| r == role).then_some(()))
+            .into_iter()
+            .map(|(n, ())| n)
+            .collect()
     }
 
     /// Round trip with a payload echoed back.
@@ -786,66 +987,23 @@ impl Cluster {
         let (_send, mut recv) = self
             .open_call(node, &Request::Ping { nonce: 1, payload })
             .await?;
-        match self.first_reply(node, &mut recv).await? {
-            Reply::Pong { payload, .. } => Ok(payload),
-            other => Err(unexpected(node, &other)),
+        let r = tokio::time::timeout(
+            self.inner.cfg.call_timeout,
+            read_frame::<Reply, _>(&mut recv, self.inner.cfg.max_frame),
+        )
+        .await
+        .map_err(|_| CallError::Timeout(node.to_owned()))?;
+        match r {
+            Ok(Some(Reply::Pong { payload, .. })) => Ok(payload),
+            Ok(None) => Err(CallError::Lost {
+                node: node.to_owned(),
+                reason: "stream ended without a reply".into(),
+            }),
+            Err(e) => Err(CallError::Lost {
+                node: node.to_owned(),
+                reason: e.to_string(),
+            }),
         }
-    }
-
-    /// Starts a generation on `node`. Resolves when the callee accepted it (its first event
-    /// arrived) or refused it; events then stream on the receiver. A broken connection ends
-    /// the stream with `Err(CallError::Lost)`. Dropping the receiver cancels the call.
-    ///
-    /// Cancel safety: cancel-safe.
-    pub async fn generate(
-        &self,
-        node: &str,
-        call: GenerateCall,
-    ) -> Result<mpsc::UnboundedReceiver<Result<Event, CallError>>, CallError> {
-        let (send, mut recv) = self.open_call(node, &Request::Generate(call)).await?;
-        let first = match self.first_reply(node, &mut recv).await? {
-            Reply::Event(ev) => ev,
-            other => return Err(unexpected(node, &other)),
-        };
-        let (tx, rx) = mpsc::unbounded_channel();
-        let _ = tx.send(Ok(first.clone()));
-        let node = node.to_owned();
-        let max = self.inner.cfg.max_frame;
-        tokio::spawn(async move {
-            let _send = send; // keep our half open until the call ends
-            if matches!(first, Event::Done { .. } | Event::Error(_)) {
-                return;
-            }
-            loop {
-                let r = read_frame::<Reply, _>(&mut recv, max).await;
-                let (item, last) = match r {
-                    Ok(Some(Reply::Event(ev))) => {
-                        let last = matches!(ev, Event::Done { .. } | Event::Error(_));
-                        (Ok(ev), last)
-                    }
-                    Ok(Some(Reply::Error(e))) => (Err(CallError::Remote(e)), true),
-                    Ok(Some(other)) => (Err(unexpected(&node, &other)), true),
-                    Ok(None) => (
-                        Err(CallError::Lost {
-                            node: node.clone(),
-                            reason: "stream ended before the generation finished".into(),
-                        }),
-                        true,
-                    ),
-                    Err(e) => (
-                        Err(CallError::Lost {
-                            node: node.clone(),
-                            reason: e.to_string(),
-                        }),
-                        true,
-                    ),
-                };
-                if tx.send(item).is_err() || last {
-                    return;
-                }
-            }
-        });
-        Ok(rx)
     }
 
     /// Remote nodes hosting `tier`, with their load, for [`crate::routing::pick`].
@@ -927,13 +1085,16 @@ impl Cluster {
     /// Every member, this node first.
     pub fn members(&self) -> Vec<MemberView> {
         let now = now_ms();
+        let local = self.inner.local.lock().expect("local advert").clone();
         let me = MemberView {
             node: self.inner.me.clone(),
             local: true,
             quic_addr: self.inner.quic_addr.clone(),
             http_addr: self.inner.cfg.http_addr.clone(),
             state: "alive",
-            tiers: self.inner.service.tiers(),
+            tiers: local.tiers,
+            roles: self.inner.roles.clone(),
+            actors: self.inner.exports.names(),
             uptime_s: now.saturating_sub(self.inner.started_ms) / 1000,
             last_seen_ms: 0,
         };
@@ -950,6 +1111,8 @@ impl Cluster {
                     PeerState::Left => "left",
                 },
                 tiers: p.advert.tiers.clone(),
+                roles: p.advert.roles.clone(),
+                actors: p.advert.actors.clone(),
                 uptime_s: now.saturating_sub(p.advert.started_ms) / 1000,
                 last_seen_ms: p.last_seen.elapsed().as_millis() as u64,
             }))
@@ -969,14 +1132,15 @@ impl Cluster {
             tokio::time::timeout(Duration::from_secs(1), futures::future::join_all(sends)).await;
         self.inner.endpoint.close(CLOSE_LEAVING);
         self.inner.endpoint.wait_idle(Duration::from_secs(1)).await;
+        self.inner.tasks.close();
         info!("left the cluster");
     }
 }
 
-fn unexpected(node: &str, r: &Reply) -> CallError {
+fn unexpected(node: &str, r: &dyn std::fmt::Debug) -> CallError {
     CallError::Lost {
         node: node.to_owned(),
-        reason: format!("unexpected reply {r:?}"),
+        reason: format!("unexpected answer {r:?}"),
     }
 }
 
@@ -994,5 +1158,119 @@ async fn send_control(conn: &quinn::Connection, msg: &Control) {
             // Wait until the peer has read it: the connection closes right after.
             let _ = s.stopped().await;
         }
+    }
+}
+
+/// Messages of [`MembershipActor`].
+#[derive(Debug)]
+pub enum MembershipMsg {
+    /// A heartbeat period passed.
+    Tick,
+    /// A peer's heartbeat arrived on `conn`.
+    Heartbeat {
+        /// The peer (its certificate's name).
+        peer: String,
+        /// Its advert.
+        advert: NodeAdvert,
+        /// The connection it came on.
+        conn: quinn::Connection,
+    },
+    /// A peer said goodbye.
+    Leave {
+        /// The peer.
+        peer: String,
+        /// Its connection.
+        conn: quinn::Connection,
+    },
+    /// A peer's connection closed.
+    Closed {
+        /// The peer.
+        peer: String,
+        /// The connection.
+        conn: quinn::Connection,
+        /// Why.
+        why: String,
+        /// The peer closed it while leaving.
+        leaving: bool,
+    },
+    /// Send this node's advert now (a tier started or stopped).
+    AdvertiseNow,
+    /// Fault injection: the actor panics.
+    Crash,
+}
+
+/// The membership actor: sends this node's heartbeats, applies its peers', sweeps peers
+/// gone quiet and re-dials seeds. Its table and connections live in the [`Cluster`], so a
+/// restart loses neither.
+#[derive(Debug, Default, Clone, Copy)]
+pub struct MembershipActor;
+
+/// State of [`MembershipActor`].
+#[derive(Debug)]
+pub struct MembershipState {
+    cluster: Cluster,
+    ticks: u64,
+    timer: Option<tokio::task::JoinHandle<()>>,
+}
+
+impl Actor for MembershipActor {
+    type Msg = MembershipMsg;
+    type State = MembershipState;
+    type Arguments = Cluster;
+
+    async fn pre_start(
+        &self,
+        _myself: ActorRef<MembershipMsg>,
+        cluster: Cluster,
+    ) -> Result<MembershipState, ActorProcessingErr> {
+        Ok(MembershipState {
+            cluster,
+            ticks: 0,
+            timer: None,
+        })
+    }
+
+    async fn post_start(
+        &self,
+        myself: ActorRef<MembershipMsg>,
+        state: &mut MembershipState,
+    ) -> Result<(), ActorProcessingErr> {
+        let every = state.cluster.inner.cfg.heartbeat;
+        state.timer = Some(myself.send_interval(every, || MembershipMsg::Tick));
+        // Say at once that this incarnation is here.
+        state.cluster.heartbeat_all(true).await;
+        Ok(())
+    }
+
+    async fn post_stop(
+        &self,
+        _myself: ActorRef<MembershipMsg>,
+        state: &mut MembershipState,
+    ) -> Result<(), ActorProcessingErr> {
+        if let Some(t) = state.timer.take() {
+            t.abort();
+        }
+        Ok(())
+    }
+
+    async fn handle(
+        &self,
+        _myself: ActorRef<MembershipMsg>,
+        msg: MembershipMsg,
+        state: &mut MembershipState,
+    ) -> Result<(), ActorProcessingErr> {
+        match msg {
+            MembershipMsg::Tick => {
+                if state.cluster.inner.stopping.load(Ordering::Relaxed) {
+                    return Ok(());
+                }
+                state.ticks += 1;
+                state.cluster.tick(state.ticks).await;
+            }
+            MembershipMsg::AdvertiseNow => state.cluster.heartbeat_all(true).await,
+            MembershipMsg::Crash => panic!("membership: crash injected"),
+            other => state.cluster.apply(other),
+        }
+        Ok(())
     }
 }

@@ -1,20 +1,42 @@
-//! mesh actors layer: the cluster a node belongs to.
+//! mesh actors: every long-lived component of a node as a supervised ractor actor, and the
+//! cluster those actors span.
 //!
-//! - [`wire`]: every message that crosses nodes (rkyv, versioned by the frame header).
-//! - [`membership`]: the membership table and failure detector (pure logic).
-//! - [`routing`]: which node serves a request (pure cost function).
-//! - [`cluster`]: the I/O: one QUIC connection per peer, heartbeats carrying adverts and
-//!   gossip, failure detection, remote generate/tokenize calls with streamed replies.
+//! The supervision tree of a node ([`node`]):
 //!
-//! Remote calls end at the callee's tier actors (ractor) through the [`cluster::Service`]
-//! the node implements; the node's supervisor restarts a crashed tier actor, and a call
-//! that was on it fails with a retryable error that the gateway re-runs elsewhere.
+//! ```text
+//! NodeSupervisor ──▶ membership MembershipActor  (cluster: heartbeats, peers, failure detection)
+//!                ──▶ kv-store   PageStoreActor   (pagestore: RAM/far/disk pages, adverts)
+//!                ──▶ engines    EnginesActor     (engines: supervises one TierActor per engine)
+//!                ──▶ router     RouterActor      (router: embedder, catalog indexes)
+//!                ──▶ governor   GovernorActor    (governor: thinking budgets)
+//!                ──▶ tuner      TunerActor       (tuner: policy state, cycles, reloads)
+//! ```
+//!
+//! Decisions stay pure and tested apart from the actors: restart back-off and intensity
+//! ([`supervisor`]), routing cost ([`routing`]), membership ([`membership`]), thinking
+//! budgets ([`governor::budget`]), the tuner's rules (`mesh_control::tuner`).
+//!
+//! The cluster: [`wire`] holds every message that crosses nodes (rkyv, versioned by the
+//! frame header); [`remote`] the one generic way to call a named actor on another node
+//! (envelopes, deadlines, streamed answers, errors as values); [`cluster`] the QUIC
+//! connections, heartbeats with adverts and gossip, failure detection (the membership
+//! actor). [`tasks`] tracks the long-lived tasks that are not actors.
 
 pub mod cluster;
+pub mod engines;
+pub mod governor;
 pub mod membership;
+pub mod node;
+pub mod pagestore;
+pub mod remote;
+pub mod router;
 pub mod routing;
+pub mod supervisor;
+pub mod tasks;
+pub mod tier;
+pub mod tuner;
 // rkyv derives undocumented `Archived*` twins of the wire types.
 #[allow(missing_docs)]
 pub mod wire;
 
-pub use cluster::{CallError, Cluster, ClusterConfig, InflightGuard, MemberView, Service};
+pub use cluster::{CallError, Cluster, ClusterConfig, InflightGuard, MemberView};

@@ -1,6 +1,6 @@
 //! The membership table: who is in the cluster, what they host, who has gone
-//! quiet. Pure logic (time is passed in); the cluster task feeds it heartbeats
-//! and sweeps it on a timer.
+//! quiet. Pure logic (time is passed in); the membership actor
+//! ([`crate::cluster::MembershipActor`]) feeds it heartbeats and sweeps it every heartbeat.
 //!
 //! ```text
 //!            heartbeat                 no heartbeat for failure_timeout
@@ -186,6 +186,9 @@ mod tests {
                     quic_addr: format!("{p}:1"),
                 })
                 .collect(),
+            roles: vec![],
+            actors: vec![],
+            pages: vec![],
         }
     }
 

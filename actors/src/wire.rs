@@ -5,9 +5,12 @@
 //! Streams:
 //! - unidirectional, one [`Control`] frame each: heartbeats (with the sender's advert and
 //!   the peers it knows) and leave notices;
-//! - bidirectional, one per call: the caller writes one [`Request`], the callee answers
-//!   with [`Reply`] frames (one for tokenize/ping; a stream of events for generate) and
-//!   finishes the stream.
+//! - bidirectional, one per call: the caller writes one [`Request`]; for
+//!   [`Request::Call`] the [`Envelope`] names the actor and the next frame is that actor's
+//!   call ([`TierCall`], [`StoreCall`], [`RouterCall`]); the callee answers with
+//!   [`CallStatus`] frame, then [`Answer`] frames (items, then `End`, or an `Error`) and
+//!   finishes the stream
+//!   (`crate::remote`).
 
 use rkyv::{Archive, Deserialize, Serialize};
 
@@ -60,6 +63,27 @@ pub struct NodeAdvert {
     pub tiers: Vec<TierAdvert>,
     /// Peers the sender considers alive (gossip).
     pub peers: Vec<PeerAddr>,
+    /// What the node runs (`gateway`, `tiers`, `store`).
+    pub roles: Vec<String>,
+    /// Actors peers may call on it (`tier`, `kv-store`, `router`).
+    pub actors: Vec<String>,
+    /// Pages its store holds outside its tiers' own (a `store` node: pages peers demoted
+    /// to it), by namespace.
+    pub pages: Vec<NamespacePages>,
+}
+
+/// Short ids (first 8 bytes) of pages a store holds in one namespace, most recently used
+/// first (capped).
+#[derive(Archive, Serialize, Deserialize, Debug, Clone, PartialEq)]
+pub struct NamespacePages {
+    /// Namespace (the tier the pages belong to).
+    pub ns: String,
+    /// Short page ids.
+    pub ids: Vec<u64>,
+    /// Salt base of the namespace's pages (32 bytes; routers compute page ids with it).
+    pub base: Vec<u8>,
+    /// Tokens per page.
+    pub block: u32,
 }
 
 /// Frames on unidirectional streams.
@@ -124,18 +148,21 @@ pub struct GenerateCall {
     pub role: String,
 }
 
+/// The header of a call to a named actor ([`Request::Call`]); the call itself is the next
+/// frame on the stream.
+#[derive(Archive, Serialize, Deserialize, Debug, Clone, PartialEq, Default)]
+pub struct Envelope {
+    /// The actor addressed (`tier`, `kv-store`, `router`).
+    pub actor: String,
+    /// The callee stops the call after this many ms (0 = no deadline).
+    pub deadline_ms: u64,
+    /// Trace context (W3C `traceparent`, `tracestate`).
+    pub trace: Vec<Header>,
+}
+
 /// Frames a caller sends.
 #[derive(Archive, Serialize, Deserialize, Debug, Clone, PartialEq)]
 pub enum Request {
-    /// Generate tokens; replies stream as [`Reply::Event`].
-    Generate(GenerateCall),
-    /// Tokenize text with a tier's tokenizer.
-    Tokenize {
-        /// Tier name.
-        model: String,
-        /// Text.
-        text: String,
-    },
     /// Round trip (latency measurement).
     Ping {
         /// Echoed back.
@@ -143,16 +170,146 @@ pub enum Request {
         /// Opaque payload echoed back (bulk measurement).
         payload: Vec<u8>,
     },
-    /// KV pages by id; answered by one [`Reply::Page`] per page held, in order, stopping at
-    /// the first page the callee does not have.
-    FetchPages {
-        /// Tier whose store to read.
+    /// A call to a named actor; its call frame follows.
+    Call(Envelope),
+}
+
+/// The callee's first frame on a call stream: whether it took the call.
+#[derive(Archive, Serialize, Deserialize, Debug, Clone, PartialEq)]
+pub enum CallStatus {
+    /// The call runs; its [`Answer`] frames follow.
+    Accepted,
+    /// The call was refused (no such actor, the actor down, bad arguments); the stream ends.
+    Refused(RemoteError),
+}
+
+/// One answer frame of a call.
+#[derive(Archive, Serialize, Deserialize, Debug, Clone, PartialEq)]
+pub enum Answer<T> {
+    /// One item.
+    Item(T),
+    /// No more items.
+    End,
+    /// The call was refused or failed; no more items.
+    Error(RemoteError),
+}
+
+/// Calls of a tier actor (`tier`).
+#[derive(Archive, Serialize, Deserialize, Debug, Clone, PartialEq)]
+pub enum TierCall {
+    /// Generate tokens; answered by [`TierItem::Event`]s.
+    Generate(GenerateCall),
+    /// Tokenize text with a tier's tokenizer; answered by one [`TierItem::Tokens`].
+    Tokenize {
+        /// Tier name.
         model: String,
-        /// Page namespace (32 bytes).
+        /// Text.
+        text: String,
+    },
+}
+
+/// Answers of a tier actor.
+#[derive(Archive, Serialize, Deserialize, Debug, Clone, PartialEq)]
+pub enum TierItem {
+    /// A generation event.
+    Event(Event),
+    /// Token ids.
+    Tokens(Vec<i32>),
+}
+
+/// A page in its stored form (header with checksum + payload).
+#[derive(Archive, Serialize, Deserialize, Debug, Clone, PartialEq)]
+pub struct PageBlob {
+    /// Page id (32 bytes).
+    pub id: Vec<u8>,
+    /// Stored form.
+    pub stored: Vec<u8>,
+}
+
+/// Calls of a page-store actor (`kv-store`).
+#[derive(Archive, Serialize, Deserialize, Debug, Clone, PartialEq)]
+pub enum StoreCall {
+    /// Pages by id in namespace `ns`, answered by one [`StoreItem::Page`] per page held, in
+    /// order, stopping at the first page the callee does not have.
+    Fetch {
+        /// Namespace (tier).
+        ns: String,
+        /// Page namespace salt (32 bytes).
         salt: Vec<u8>,
         /// Page ids (32 bytes each).
         ids: Vec<Vec<u8>>,
     },
+    /// Keep these pages in namespace `ns` (a compute node demotes pages to a store node);
+    /// answered by one [`StoreItem::Stored`].
+    Put {
+        /// Namespace (tier).
+        ns: String,
+        /// Salt base of the namespace's pages (advertised with them).
+        base: Vec<u8>,
+        /// Tokens per page.
+        block: u32,
+        /// Pages.
+        pages: Vec<PageBlob>,
+    },
+}
+
+/// Answers of a page-store actor.
+#[derive(Archive, Serialize, Deserialize, Debug, Clone, PartialEq)]
+pub enum StoreItem {
+    /// One page.
+    Page(PageBlob),
+    /// How many pages of a `Put` were kept (refused ones failed their checks).
+    Stored {
+        /// Pages kept.
+        pages: u32,
+    },
+}
+
+/// A tool as the router sees it.
+#[derive(Archive, Serialize, Deserialize, Debug, Clone, PartialEq)]
+pub struct WireTool {
+    /// Name.
+    pub name: String,
+    /// Description.
+    pub description: String,
+    /// JSON schema of the arguments, as JSON text.
+    pub parameters: String,
+}
+
+/// Calls of a tool router actor (`router`).
+#[derive(Archive, Serialize, Deserialize, Debug, Clone, PartialEq)]
+pub enum RouterCall {
+    /// Which of `tools` a prompt for `intent` should show; answered by one [`RouterItem`].
+    Route {
+        /// The request's tools.
+        tools: Vec<WireTool>,
+        /// The last user message.
+        intent: String,
+        /// Tools to keep.
+        top_k: u32,
+        /// A tool that must stay.
+        forced: Option<String>,
+    },
+}
+
+/// Answers of a tool router actor.
+#[derive(Archive, Serialize, Deserialize, Debug, Clone, PartialEq)]
+pub enum RouterItem {
+    /// The tools to show, best first, and the router's confidence.
+    Routed {
+        /// Tools the request offered.
+        offered: u32,
+        /// Tools to show.
+        shown: Vec<String>,
+        /// Cosine of the best tool.
+        top1: f32,
+        /// Top-1 minus top-2 cosine.
+        margin: f32,
+        /// The lexical re-rank ran.
+        reranked: bool,
+    },
+    /// Routing failed (the request shows every tool).
+    Failed(String),
 }
 
 /// Why a generation ended.
@@ -238,28 +395,15 @@ impl std::fmt::Display for RemoteError {
     }
 }
 
-/// Frames a callee sends.
+/// Frames a callee sends outside calls.
 #[derive(Archive, Serialize, Deserialize, Debug, Clone, PartialEq)]
 pub enum Reply {
-    /// Token ids of a tokenize call.
-    Tokens(Vec<i32>),
-    /// Generation event.
-    Event(Event),
-    /// The call was refused or failed.
-    Error(RemoteError),
     /// Answer to a ping.
     Pong {
         /// The ping's nonce.
         nonce: u64,
         /// The ping's payload.
         payload: Vec<u8>,
-    },
-    /// One KV page in its stored form (header with checksum + payload).
-    Page {
-        /// Page id (32 bytes).
-        id: Vec<u8>,
-        /// Stored form.
-        stored: Vec<u8>,
     },
 }
 
@@ -269,8 +413,8 @@ mod tests {
     use mesh_transport::frame::{decode, encode, HEADER_LEN};
 
     #[test]
-    fn request_roundtrip() {
-        let r = Request::Generate(GenerateCall {
+    fn a_call_roundtrips() {
+        let r = TierCall::Generate(GenerateCall {
             model: "t1".into(),
             prompt: vec![1, 2, 3],
             max_tokens: 9,
@@ -283,6 +427,21 @@ mod tests {
             ..Default::default()
         });
         let b = encode(&r).unwrap();
-        assert_eq!(decode::<Request>(&b[HEADER_LEN..]).unwrap(), r);
+        assert_eq!(decode::<TierCall>(&b[HEADER_LEN..]).unwrap(), r);
+    }
+
+    #[test]
+    fn an_answer_carries_an_item_or_an_error() {
+        for a in [
+            Answer::Item(TierItem::Tokens(vec![1, 2])),
+            Answer::End,
+            Answer::Error(RemoteError {
+                class: ErrorClass::Deadline,
+                message: "late".into(),
+            }),
+        ] {
+            let b = encode(&a).unwrap();
+            assert_eq!(decode::<Answer<TierItem>>(&b[HEADER_LEN..]).unwrap(), a);
+        }
     }
 }

@@ -20,7 +20,7 @@
 //! ([`gate`]), knobs and policy state file ([`policy`]), and A/B probe windows on a real
 //! engine ([`trial`]) (`docs/tuner.md`).
 //!
-//! The node serves the tuner over HTTP (`mesh/src/control_api.rs`).
+//! On a node the tuner actor (`mesh-actors`) runs these decisions; `mesh/src/http/control.rs` serves them.
 
 pub mod embed;
 mod error;

@@ -44,9 +44,51 @@ pub struct Counters {
     pub draft_tokens: u64,
     /// Of those, how many the target accepted.
     pub draft_accepted: u64,
+    /// Tokens the node's tiers generated.
+    pub generated_tokens: u64,
+    /// Instructions of the tiers' engine threads (user space; 0 where the kernel gives no
+    /// hardware counters).
+    pub instructions: u64,
+    /// Cycles of the tiers' engine threads (as `instructions`).
+    pub cycles: u64,
+    /// Cache misses of the tiers' engine threads (as `instructions`).
+    pub cache_misses: u64,
 }
 
 impl Counters {
+    /// The window between `before` and these totals (a counter that went backwards, as
+    /// after a restart, counts from zero).
+    pub fn since(&self, before: &Counters) -> Counters {
+        let d = |now: u64, then: u64| now.saturating_sub(then);
+        Counters {
+            requests: d(self.requests, before.requests),
+            errors: d(self.errors, before.errors),
+            correct: d(self.correct, before.correct),
+            scored: d(self.scored, before.scored),
+            first_tier_steps: d(self.first_tier_steps, before.first_tier_steps),
+            first_tier_low_margin: d(self.first_tier_low_margin, before.first_tier_low_margin),
+            low_router_score_skips: d(self.low_router_score_skips, before.low_router_score_skips),
+            reasoning_requests: d(self.reasoning_requests, before.reasoning_requests),
+            reasoning_capped: d(self.reasoning_capped, before.reasoning_capped),
+            draft_tokens: d(self.draft_tokens, before.draft_tokens),
+            draft_accepted: d(self.draft_accepted, before.draft_accepted),
+            generated_tokens: d(self.generated_tokens, before.generated_tokens),
+            instructions: d(self.instructions, before.instructions),
+            cycles: d(self.cycles, before.cycles),
+            cache_misses: d(self.cache_misses, before.cache_misses),
+        }
+    }
+
+    /// Instructions per generated token, when the hardware counters ran in the window.
+    pub fn instructions_per_token(&self) -> Option<f64> {
+        Self::share(self.instructions, self.generated_tokens).filter(|_| self.instructions > 0)
+    }
+
+    /// Cache misses per thousand instructions, when the hardware counters ran.
+    pub fn cache_misses_per_kilo_instruction(&self) -> Option<f64> {
+        Self::share(self.cache_misses * 1000, self.instructions)
+    }
+
     /// Share of probe answers that were right, when any were scored.
     pub fn accuracy(&self) -> Option<f64> {
         (self.scored > 0).then(|| self.correct as f64 / self.scored as f64)
@@ -307,6 +349,51 @@ pub fn judge(proposal: &Proposal, a: &Samples, b: &Samples, cfg: &GateConfig) ->
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_window_is_the_difference_of_two_totals() {
+        let now = Counters {
+            requests: 37,
+            errors: 2,
+            first_tier_steps: 24,
+            instructions: 9_000,
+            generated_tokens: 30,
+            ..Counters::default()
+        };
+        let before = Counters {
+            requests: 30,
+            first_tier_steps: 20,
+            instructions: 6_000,
+            generated_tokens: 20,
+            ..Counters::default()
+        };
+        let w = now.since(&before);
+        assert_eq!((w.requests, w.first_tier_steps, w.errors), (7, 4, 2));
+        assert_eq!(w.instructions_per_token(), Some(300.0));
+    }
+
+    #[test]
+    fn a_counter_that_went_backwards_never_goes_negative() {
+        let low = Counters {
+            requests: 3,
+            ..Counters::default()
+        };
+        let high = Counters {
+            requests: 30,
+            ..Counters::default()
+        };
+        assert_eq!(low.since(&high).requests, 0);
+    }
+
+    #[test]
+    fn per_token_hardware_figures_need_the_counters() {
+        let c = Counters {
+            generated_tokens: 10,
+            ..Counters::default()
+        };
+        assert_eq!(c.instructions_per_token(), None);
+        assert_eq!(c.cache_misses_per_kilo_instruction(), None);
+    }
     use crate::gate::Verdict;
     use crate::policy::PolicyState;
 

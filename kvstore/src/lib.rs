@@ -13,17 +13,19 @@
 //! I/O-free except the disk tier of [`store`]. The far tier exists only on hosts with
 //! far memory; on a host without one (the development VM included) the store runs with
 //! RAM and disk only, and the far tier's logic is covered by unit tests with a heap
-//! allocator standing in. Fetching pages from peers over QUIC is built on top, in
-//! `mesh-actors` and the node (`mesh/src/remote.rs`).
+//! allocator standing in. Engines reach a store through [`PageBackend`]; on a node
+//! the page-store actor (`mesh-actors`) owns the stores and serves engines and peers.
 
+pub mod backend;
 pub mod codec;
 pub mod far;
 pub mod id;
 pub mod page;
 pub mod store;
 
+pub use backend::{PageBackend, PageStoreOpener};
 pub use codec::{assemble, parse, CodecError, Layout};
 pub use far::{FarMemory, FarMemoryError};
 pub use id::{chain, ModelFingerprint, PageId, Salt, SaltBase};
 pub use page::PageMeta;
-pub use store::{PageStore, StoreConfig, StoreStats};
+pub use store::{EvictSink, PageStore, StoreConfig, StoreStats};

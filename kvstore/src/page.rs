@@ -64,6 +64,12 @@ pub fn encode(meta: &PageMeta, payload: &[u8]) -> Bytes {
     b.freeze()
 }
 
+/// The salt a stored page's header names (unchecked), or `None` when it is no page.
+pub fn salt_of(bytes: &[u8]) -> Option<Salt> {
+    (bytes.len() >= HEADER_LEN && bytes[0..4] == PAGE_MAGIC)
+        .then(|| Salt(bytes[40..72].try_into().expect("32 bytes")))
+}
+
 /// Checks a stored page against what was asked for; returns the payload.
 pub fn decode(bytes: &Bytes, id: &PageId, salt: &Salt) -> Result<(PageMeta, Bytes), PageError> {
     if bytes.len() < HEADER_LEN || bytes[0..4] != PAGE_MAGIC {

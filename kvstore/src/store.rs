@@ -222,9 +222,17 @@ struct Far {
     warned: AtomicBool,
 }
 
+/// Takes the pages a store lets go of and would otherwise lose (evicted from RAM or far
+/// memory with no disk copy): a node with a store peer demotes them there.
+pub trait EvictSink: Send + Sync + std::fmt::Debug {
+    /// `stored` is the page's stored form (header + payload).
+    fn evicted(&self, id: PageId, stored: Bytes);
+}
+
 /// A tiered page store. Cheap to share (`Arc`).
 pub struct PageStore {
     ram_budget: u64,
+    sink: Mutex<Option<Arc<dyn EvictSink>>>,
     ram: Mutex<Lru>,
     far: Option<Far>,
     disk: Option<Arc<Disk>>,
@@ -326,12 +334,35 @@ impl PageStore {
         };
         Self {
             ram_budget: cfg.ram_bytes,
+            sink: Mutex::new(None),
             ram: Mutex::new(Lru::default()),
             far,
             disk,
             writer: Mutex::new(writer),
             writer_thread: Mutex::new(writer_thread),
             stats,
+        }
+    }
+
+    /// Hands pages this store would lose (evicted with no far or disk copy) to `sink`.
+    pub fn set_evict_sink(&self, sink: Arc<dyn EvictSink>) {
+        *self.sink.lock().expect("sink") = Some(sink);
+    }
+
+    /// Whether pages evicted from RAM are lost here (no far memory, no working disk tier).
+    fn loses(&self) -> bool {
+        self.disk.as_ref().is_none_or(|d| d.degraded.load(Relaxed))
+    }
+
+    fn lost(&self, pages: Vec<(PageId, Bytes)>) {
+        if pages.is_empty() || !self.loses() {
+            return;
+        }
+        let sink = self.sink.lock().expect("sink").clone();
+        if let Some(sink) = sink {
+            for (id, b) in pages {
+                sink.evicted(id, b);
+            }
         }
     }
 
@@ -480,6 +511,19 @@ impl PageStore {
         None
     }
 
+    /// Stores a page a peer demoted here in its stored form, checked against its own header
+    /// (id and checksum; the salt is the one it carries): a store node keeps any namespace's
+    /// pages, and whoever fetches one checks it against the salt it expects.
+    pub fn put_demoted(&self, id: &PageId, stored: Bytes) -> bool {
+        match page::salt_of(&stored) {
+            Some(salt) => self.put_fetched(id, &salt, stored),
+            None => {
+                self.stats.corrupt.fetch_add(1, Relaxed);
+                false
+            }
+        }
+    }
+
     /// Stores a page received from a peer in its stored form; refuses (and counts) one
     /// whose header or checksum does not match `id` and `salt`.
     pub fn put_fetched(&self, id: &PageId, salt: &Salt, stored: Bytes) -> bool {
@@ -575,10 +619,13 @@ impl PageStore {
             out
         };
         // Copied into far memory outside the RAM lock: reads of other pages do not wait.
-        if let Some(f) = &self.far {
-            for (id, bytes) in evicted {
-                self.demote_far(f, id, &bytes);
+        match &self.far {
+            Some(f) => {
+                for (id, bytes) in evicted {
+                    self.demote_far(f, id, &bytes);
+                }
             }
+            None => self.lost(evicted),
         }
     }
 
@@ -604,8 +651,18 @@ impl PageStore {
             self.stats.pages_far.store(lru.map.len() as u64, Relaxed);
             out
         };
-        // Far memory is returned to the OS outside the lock.
-        drop(freed);
+        // Far memory is returned to the OS outside the lock (a copy goes to the sink when
+        // nothing else keeps the page).
+        if self.loses() && self.sink.lock().expect("sink").is_some() {
+            let copies = freed
+                .iter()
+                .map(|(id, b)| (*id, Bytes::copy_from_slice(b)))
+                .collect();
+            drop(freed);
+            self.lost(copies);
+        } else {
+            drop(freed);
+        }
     }
 
     fn forget_disk(&self, id: &PageId) {

@@ -58,6 +58,79 @@ pub struct NodeConfig {
     pub agent: AgentSettings,
     /// The policy tuner (`[tuner]`): state file, probe workload, gate.
     pub tuner: TunerSettings,
+    /// What this node runs (`gateway`, `tiers`, `store`); default `["gateway", "tiers"]`.
+    pub roles: Vec<Role>,
+    /// The page store peers demote pages to (the `store` role).
+    pub store: StoreSettings,
+    /// Longest a request may take, restarts and failovers included (seconds).
+    pub request_timeout_s: u64,
+    /// Longest a request waits for this node's restarting engine when no other node
+    /// hosts its tier (seconds, within `request_timeout_s`).
+    pub restart_wait_s: u64,
+    /// Token that `POST /v1/debug/crash` requests must carry (`x-mesh-fault-token`); set
+    /// only by `mesh up --fault-injection` with `MESH_FAULT_TOKEN`. None: the route answers
+    /// 404. Not part of the file config.
+    #[serde(skip)]
+    pub fault_token: Option<String>,
+}
+
+/// A part a node plays in the cluster.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Role {
+    /// Serves clients (HTTP) and routes each request to whichever node hosts its tier; a
+    /// gateway without tiers routes tools through a peer's router.
+    Gateway,
+    /// Hosts the configured tiers (engines) and the tool router.
+    Tiers,
+    /// Keeps the KV pages peers demote to it (RAM, and disk with `store.dir`).
+    Store,
+}
+
+impl Role {
+    /// As adverts and flags write it.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Role::Gateway => "gateway",
+            Role::Tiers => "tiers",
+            Role::Store => "store",
+        }
+    }
+
+    /// The role named `s`.
+    pub fn parse(s: &str) -> anyhow::Result<Self> {
+        match s {
+            "gateway" => Ok(Role::Gateway),
+            "tiers" => Ok(Role::Tiers),
+            "store" => Ok(Role::Store),
+            other => anyhow::bail!("unknown role `{other}` (gateway, tiers, store)"),
+        }
+    }
+}
+
+/// The page store of a `store` node (`[store]`): the pages compute nodes demote to it and
+/// fetch back.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct StoreSettings {
+    /// Folder of the disk tier (one subfolder per namespace; pages survive restarts);
+    /// none = RAM only. `mesh join --roles store --kv-dir DIR` sets it.
+    pub dir: Option<PathBuf>,
+    /// RAM budget per namespace in bytes.
+    pub ram_bytes: u64,
+    /// Disk budget per namespace in bytes.
+    pub disk_bytes: u64,
+}
+
+impl Default for StoreSettings {
+    fn default() -> Self {
+        let k = mesh_tiers::KvPagesConfig::default();
+        Self {
+            dir: None,
+            ram_bytes: k.ram_bytes,
+            disk_bytes: k.disk_bytes,
+        }
+    }
 }
 
 /// The policy tuner on this node (`[tuner]`, `POST /v1/control/tune`).
@@ -323,6 +396,11 @@ impl Default for NodeConfig {
             mcp: McpSettings::default(),
             agent: AgentSettings::default(),
             tuner: TunerSettings::default(),
+            roles: vec![Role::Gateway, Role::Tiers],
+            store: StoreSettings::default(),
+            request_timeout_s: 600,
+            restart_wait_s: 30,
+            fault_token: None,
         }
     }
 }
@@ -389,10 +467,16 @@ impl NodeConfig {
         }
     }
 
+    /// Whether this node plays `role`.
+    pub fn has_role(&self, role: Role) -> bool {
+        self.roles.contains(&role)
+    }
+
     /// Checks the whole config before anything starts.
     pub fn validate(&self) -> anyhow::Result<()> {
+        anyhow::ensure!(!self.roles.is_empty(), "roles must name at least one role");
         anyhow::ensure!(
-            !self.tiers.is_empty() || self.cluster.is_some(),
+            (self.has_role(Role::Tiers) && !self.tiers.is_empty()) || self.cluster.is_some(),
             "no tiers configured (only a cluster node may host none and forward everything)"
         );
         if let Some(c) = &self.cluster {
@@ -408,6 +492,16 @@ impl NodeConfig {
             );
         }
         anyhow::ensure!(self.max_concurrent > 0, "max_concurrent must be at least 1");
+        anyhow::ensure!(
+            self.request_timeout_s > 0,
+            "request_timeout_s must be at least 1"
+        );
+        if let Some(t) = &self.fault_token {
+            anyhow::ensure!(
+                t.len() >= 16,
+                "the fault-injection token must be at least 16 characters"
+            );
+        }
         self.cascade.validate().map_err(anyhow::Error::msg)?;
         self.agent.validate()?;
         self.tuner.validate()?;

@@ -12,3 +12,5 @@ pub const MODELS_DIR: &str = "MESH_MODELS_DIR";
 pub const LLAMA_LOGS: &str = "MESH_LLAMA_LOGS";
 /// Folder of the cluster certificates (default `~/.mesh/certs`).
 pub const CERT_DIR: &str = "MESH_CERT_DIR";
+/// The token `mesh up --fault-injection` requires on `POST /v1/debug/crash`.
+pub const FAULT_TOKEN: &str = "MESH_FAULT_TOKEN";

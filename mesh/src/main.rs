@@ -106,6 +106,12 @@ struct JoinArgs {
     /// Silence in ms after which a peer is declared dead.
     #[arg(long)]
     failure_timeout_ms: Option<u64>,
+    /// What this node runs (comma-separated): `gateway` (serves clients, routes to peers;
+    /// without `tiers` it loads no model and routes tools through a peer's router), `tiers`
+    /// (hosts tiers and the router), `store` (keeps pages peers demote to it; with
+    /// `--kv-dir` on disk). Default: gateway,tiers.
+    #[arg(long, value_delimiter = ',')]
+    roles: Vec<String>,
     #[command(flatten)]
     up: UpArgs,
 }
@@ -161,6 +167,11 @@ struct UpArgs {
     /// (`keep_resident = false`): every prompt then restores from pages or prefills.
     #[arg(long)]
     no_keep_resident: bool,
+    /// Serve `POST /v1/debug/crash`, which crashes one of the node's actors, for failure
+    /// tests; requests must carry the token in `MESH_FAULT_TOKEN` (at least 16 characters)
+    /// as `x-mesh-fault-token`. Never on a production node.
+    #[arg(long)]
+    fault_injection: bool,
 }
 
 fn node_config(a: &UpArgs) -> anyhow::Result<NodeConfig> {
@@ -170,6 +181,15 @@ fn node_config(a: &UpArgs) -> anyhow::Result<NodeConfig> {
     }
     if let Some(p) = a.port {
         cfg.listen = SocketAddr::from(([127, 0, 0, 1], p));
+    }
+    if a.fault_injection {
+        let token = std::env::var(mesh::env::FAULT_TOKEN).map_err(|_| {
+            anyhow::anyhow!(
+                "--fault-injection needs the token requests must carry in {}",
+                mesh::env::FAULT_TOKEN
+            )
+        })?;
+        cfg.fault_token = Some(token);
     }
     if !a.tiers.is_empty() {
         cfg.tiers = a
@@ -246,6 +266,21 @@ fn join_config(a: &JoinArgs) -> anyhow::Result<NodeConfig> {
             .collect();
         anyhow::ensure!(unknown.is_empty(), "--tiers: unknown tier(s) {unknown:?}");
         cfg.tiers.retain(|t| a.tiers.contains(&t.name));
+    }
+    if !a.roles.is_empty() {
+        cfg.roles = a
+            .roles
+            .iter()
+            .map(|r| mesh::config::Role::parse(r))
+            .collect::<anyhow::Result<_>>()?;
+    }
+    if cfg.has_role(mesh::config::Role::Store) {
+        if let Some(d) = &a.up.kv_dir {
+            cfg.store.dir = Some(d.clone());
+        }
+    }
+    if !cfg.has_role(mesh::config::Role::Tiers) {
+        cfg.tiers.clear();
     }
     let mut cs = cfg.cluster.take().unwrap_or_default();
     cs.name = a.name.clone();
@@ -352,13 +387,13 @@ fn topology(a: &TopologyArgs) -> anyhow::Result<()> {
         cfg.tiers.iter_mut().for_each(|t| t.threads = n);
     }
     let topo = mesh_control::topology::Topology::detect();
-    let plan = mesh::placement::plan_for(&topo, &cfg.tiers);
+    let plan = mesh::node::placement::plan_for(&topo, &cfg.tiers);
     if a.json {
         let v = serde_json::json!({"topology": topo, "placement": plan});
         println!("{}", serde_json::to_string_pretty(&v)?);
     } else {
         print!("{}", topo.render());
-        let far = mesh::farmem::apply(&topo, &mut cfg.tiers.clone());
+        let far = mesh::node::farmem::apply(&topo, &mut cfg.tiers.clone());
         println!("kv far     {}", far.render());
         println!();
         print!("{}", plan.render());

@@ -17,6 +17,10 @@ use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
 use prometheus_client::metrics::MetricType;
 use prometheus_client::registry::Registry;
 
+use std::sync::atomic::AtomicU64;
+
+use mesh_actors::pagestore::NamespaceStats;
+use mesh_control::tuner::Counters;
 use mesh_tiers::EngineStats;
 
 /// Label: model id.
@@ -126,7 +130,7 @@ impl Collector for ToolCollector {
 pub struct Metrics {
     registry: Registry,
     /// Finished HTTP requests.
-    pub requests: Family<RequestLabel, Counter>,
+    requests: Family<RequestLabel, Counter>,
     /// Prompt tokens processed.
     pub prompt_tokens: Family<ModelLabel, Counter>,
     /// Tokens generated.
@@ -138,13 +142,13 @@ pub struct Metrics {
     /// Whole request latency.
     pub e2e: Family<ModelLabel, Histogram>,
     /// Cascade steps by tier and verdict (kept answers have verdict `accept` or `last_tier`).
-    pub cascade_steps: Family<CascadeLabel, Counter>,
+    cascade_steps: Family<CascadeLabel, Counter>,
     /// Reasoning tokens generated, by model.
     pub reasoning_tokens: Family<ModelLabel, Counter>,
     /// Think blocks the reasoning governor closed, by model.
-    pub reasoning_capped: Family<ModelLabel, Counter>,
+    reasoning_capped: Family<ModelLabel, Counter>,
     /// Generations submitted with a thinking budget, by model.
-    pub reasoning_budgeted: Family<ModelLabel, Counter>,
+    reasoning_budgeted: Family<ModelLabel, Counter>,
     /// Requests whose tools went through the router, by outcome.
     pub tool_routing: Family<RoutingLabel, Counter>,
     /// Tool schemas the router kept out of prompts.
@@ -154,6 +158,8 @@ pub struct Metrics {
     /// Generations by the local engine that ran them (quantization policy).
     pub engine_requests: Family<EngineLabel, Counter>,
     tool_collector: ToolCollector,
+    node: NodeCollector,
+    totals: Totals,
     active: Family<ModelLabel, Gauge>,
     queued: Family<ModelLabel, Gauge>,
     kv_reserved: Family<ModelLabel, Gauge>,
@@ -189,6 +195,8 @@ impl Default for Metrics {
             agent_tasks: Family::default(),
             engine_requests: Family::default(),
             tool_collector: ToolCollector::default(),
+            node: NodeCollector::default(),
+            totals: Totals::default(),
             active: Family::default(),
             queued: Family::default(),
             kv_reserved: Family::default(),
@@ -296,10 +304,60 @@ struct TierLabel {
     tier: &'static str,
 }
 
-/// Scrape-time collector of the KV page store and transport counters.
-#[derive(Debug)]
+/// What the node collector reads at scrape time: the engines, and what the page-store actor
+/// reported just before the scrape (`Metrics::render`).
+#[derive(Debug, Clone, Default)]
 struct NodeCollector {
-    tiers: crate::node::Registry,
+    engines: Arc<std::sync::OnceLock<mesh_actors::engines::Engines>>,
+    store: Arc<std::sync::Mutex<Vec<NamespaceStats>>>,
+    parts: Arc<std::sync::OnceLock<NodeParts>>,
+}
+
+/// The node's supervision tree and tracked tasks, for their metrics.
+#[derive(Debug, Clone)]
+pub struct NodeParts {
+    /// The children of the node supervisor with their restart counters.
+    pub actors: Vec<mesh_actors::node::ChildSpec>,
+    /// The governor's decisions.
+    pub governor: Arc<mesh_actors::governor::GovernorStats>,
+    /// Tracked tasks.
+    pub tasks: mesh_actors::tasks::Tasks,
+}
+
+/// Label: a child of the node supervisor.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct ActorLabel {
+    actor: &'static str,
+}
+
+/// Label: a governor decision by role.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct GovernorLabel {
+    role: &'static str,
+    budget: &'static str,
+}
+
+/// Label: a tracked task kind and how tasks of it ended.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct TaskLabel {
+    kind: &'static str,
+    outcome: &'static str,
+}
+
+/// Label: a tracked task kind.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct KindLabel {
+    kind: &'static str,
+}
+
+/// Typed totals the tuner reads (kept beside the Prometheus families they mirror).
+#[derive(Debug, Default)]
+struct Totals {
+    requests: AtomicU64,
+    errors: AtomicU64,
+    reasoning_budgeted: AtomicU64,
+    reasoning_capped: AtomicU64,
+    cascade: std::sync::Mutex<std::collections::HashMap<(String, String), u64>>,
 }
 
 fn family<L: EncodeLabelSet>(
@@ -332,12 +390,26 @@ fn family<L: EncodeLabelSet>(
 impl Collector for NodeCollector {
     fn encode(&self, mut enc: DescriptorEncoder) -> Result<(), std::fmt::Error> {
         use Ordering::Relaxed;
-        let mut per: Vec<(String, mesh_tiers::PageHandles)> = self
-            .tiers
+        let Some(engines) = self.engines.get() else {
+            return Ok(());
+        };
+        let registry = engines.registry();
+        let mut reuse: Vec<(String, Arc<mesh_tiers::kvcache::ReuseStats>)> = registry
             .iter()
-            .filter_map(|e| e.value().desc.pages.clone().map(|p| (e.key().clone(), p)))
+            .filter_map(|e| {
+                e.value()
+                    .desc
+                    .pages
+                    .as_ref()
+                    .map(|p| (e.key().clone(), p.reuse.clone()))
+            })
             .collect();
-        per.sort_by(|a, b| a.0.cmp(&b.0));
+        reuse.sort_by(|a, b| a.0.cmp(&b.0));
+        let store = self
+            .store
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .clone();
         let m = |model: &str| ModelLabel {
             model: model.to_owned(),
         };
@@ -345,64 +417,71 @@ impl Collector for NodeCollector {
             model: model.to_owned(),
             tier,
         };
-        type Get = fn(&mesh_tiers::PageHandles) -> u64;
-        let model_counters: [(&str, &str, Get); 11] = [
-            (
-                "kv_pages_fetched_from_peers",
-                "Pages pulled from peers instead of prefilled",
-                |p| p.store.stats().fetched_from_peers.load(Relaxed),
-            ),
-            (
-                "kv_peer_fetch_bytes",
-                "Bytes of pages pulled from peers",
-                |p| p.store.stats().fetched_bytes.load(Relaxed),
-            ),
+        type Reuse = fn(&mesh_tiers::kvcache::ReuseStats) -> u64;
+        let reuse_counters: [(&str, &str, Reuse); 4] = [
             (
                 "kv_prefix_lookups",
                 "Requests that looked for a cached prompt prefix",
-                |p| p.reuse.lookups.load(Relaxed),
+                |r| r.lookups.load(Relaxed),
             ),
             (
                 "kv_prefix_hits",
                 "Requests that restored at least one cached page",
-                |p| p.reuse.hits.load(Relaxed),
+                |r| r.hits.load(Relaxed),
             ),
             (
                 "kv_recompute_avoided_tokens",
                 "Prompt tokens restored from pages instead of prefilled",
-                |p| p.reuse.tokens_reused.load(Relaxed),
+                |r| r.tokens_reused.load(Relaxed),
             ),
             (
                 "kv_pages_published",
                 "New pages stored after a prefill",
-                |p| p.reuse.published.load(Relaxed),
+                |r| r.published.load(Relaxed),
             ),
-            ("kv_page_misses", "Pages looked up and not found", |p| {
-                p.store.stats().misses.load(Relaxed)
+        ];
+        for (name, help, get) in reuse_counters {
+            let rows: Vec<_> = reuse.iter().map(|(n, r)| (m(n), get(r))).collect();
+            family(&mut enc, name, help, true, &rows)?;
+        }
+        type Get = fn(&mesh_kvstore::StoreStats) -> u64;
+        let store_counters: [(&str, &str, Get); 7] = [
+            (
+                "kv_pages_fetched_from_peers",
+                "Pages pulled from peers instead of prefilled",
+                |s| s.fetched_from_peers.load(Relaxed),
+            ),
+            (
+                "kv_peer_fetch_bytes",
+                "Bytes of pages pulled from peers",
+                |s| s.fetched_bytes.load(Relaxed),
+            ),
+            ("kv_page_misses", "Pages looked up and not found", |s| {
+                s.misses.load(Relaxed)
             }),
             (
                 "kv_pages_deduplicated",
                 "Pages not stored again because an identical prefix was stored",
-                |p| p.store.stats().dedup_pages.load(Relaxed),
+                |s| s.dedup_pages.load(Relaxed),
             ),
             (
                 "kv_dedup_saved_bytes",
                 "Bytes not stored thanks to deduplication",
-                |p| p.store.stats().dedup_bytes.load(Relaxed),
+                |s| s.dedup_bytes.load(Relaxed),
             ),
             (
                 "kv_corrupt_pages",
                 "Pages refused because their checksum or header was wrong",
-                |p| p.store.stats().corrupt.load(Relaxed),
+                |s| s.corrupt.load(Relaxed),
             ),
             (
                 "kv_disk_errors",
                 "Page disk reads or writes that failed",
-                |p| p.store.stats().disk_errors.load(Relaxed),
+                |s| s.disk_errors.load(Relaxed),
             ),
         ];
-        for (name, help, get) in model_counters {
-            let rows: Vec<_> = per.iter().map(|(n, p)| (m(n), get(p))).collect();
+        for (name, help, get) in store_counters {
+            let rows: Vec<_> = store.iter().map(|n| (m(&n.ns), get(&n.stats))).collect();
             family(&mut enc, name, help, true, &rows)?;
         }
         type ByTier = fn(&mesh_kvstore::StoreStats) -> [&std::sync::atomic::AtomicU64; 3];
@@ -428,15 +507,14 @@ impl Collector for NodeCollector {
         ];
         for (name, help, counter, get) in by_tier {
             // A store without a far tier has no `far` rows (absent, not zero).
-            let rows: Vec<_> = per
+            let rows: Vec<_> = store
                 .iter()
-                .flat_map(|(n, p)| {
-                    let [ram, far, disk] = get(p.store.stats()).map(|a| a.load(Relaxed));
-                    let has_far = p.store.far_nodes().is_some();
+                .flat_map(|n| {
+                    let [ram, far, disk] = get(&n.stats).map(|a| a.load(Relaxed));
                     [
-                        Some((t(n, "ram"), ram)),
-                        has_far.then(|| (t(n, "far"), far)),
-                        Some((t(n, "disk"), disk)),
+                        Some((t(&n.ns, "ram"), ram)),
+                        n.far_nodes.is_some().then(|| (t(&n.ns, "far"), far)),
+                        Some((t(&n.ns, "disk"), disk)),
                     ]
                     .into_iter()
                     .flatten()
@@ -444,9 +522,9 @@ impl Collector for NodeCollector {
                 .collect();
             family(&mut enc, name, help, counter, &rows)?;
         }
-        let degraded: Vec<_> = per
+        let degraded: Vec<_> = store
             .iter()
-            .map(|(n, p)| (m(n), p.store.stats().disk_degraded.load(Relaxed)))
+            .map(|n| (m(&n.ns), n.stats.disk_degraded.load(Relaxed)))
             .collect();
         family(
             &mut enc,
@@ -456,9 +534,9 @@ impl Collector for NodeCollector {
             &degraded,
         )?;
         // The far tier: rows only for stores that have one, and the node count (0: none).
-        let mut far_nodes: Vec<u32> = per
+        let mut far_nodes: Vec<u32> = store
             .iter()
-            .filter_map(|(_, p)| p.store.far_nodes())
+            .filter_map(|n| n.far_nodes.clone())
             .flatten()
             .collect();
         far_nodes.sort_unstable();
@@ -470,10 +548,10 @@ impl Collector for NodeCollector {
             false,
             &[(NoLabels {}, far_nodes.len() as u64)],
         )?;
-        let far_errors: Vec<_> = per
+        let far_errors: Vec<_> = store
             .iter()
-            .filter(|(_, p)| p.store.far_nodes().is_some())
-            .map(|(n, p)| (m(n), p.store.stats().far_errors.load(Relaxed)))
+            .filter(|n| n.far_nodes.is_some())
+            .map(|n| (m(&n.ns), n.stats.far_errors.load(Relaxed)))
             .collect();
         family(
             &mut enc,
@@ -483,8 +561,7 @@ impl Collector for NodeCollector {
             &far_errors,
         )?;
         // Speculative decoding, for the tiers that have a draft model.
-        let mut spec: Vec<(String, Arc<EngineStats>)> = self
-            .tiers
+        let mut spec: Vec<(String, Arc<EngineStats>)> = registry
             .iter()
             .filter(|e| e.value().desc.info.draft.is_some())
             .map(|e| (e.key().clone(), e.value().desc.stats.clone()))
@@ -517,8 +594,7 @@ impl Collector for NodeCollector {
             let rows: Vec<_> = spec.iter().map(|(n, s)| (m(n), get(s))).collect();
             family(&mut enc, name, help, true, &rows)?;
         }
-        let mut hw: Vec<(String, Arc<EngineStats>)> = self
-            .tiers
+        let mut hw: Vec<(String, Arc<EngineStats>)> = registry
             .iter()
             .map(|e| (e.key().clone(), e.value().desc.stats.clone()))
             .collect();
@@ -603,6 +679,76 @@ impl Collector for NodeCollector {
                 (OutcomeLabel { outcome: "joined" }, pulls.joined.load(Relaxed)),
             ],
         )?;
+        if let Some(parts) = self.parts.get() {
+            let restarts: Vec<_> = parts
+                .actors
+                .iter()
+                .map(|c| (ActorLabel { actor: c.name }, c.restarts.load(Relaxed)))
+                .collect();
+            family(
+                &mut enc,
+                "actor_restarts",
+                "Restarts of the node supervisor's children (router, governor, kv-store, engines, tuner, membership)",
+                true,
+                &restarts,
+            )?;
+            let decisions: Vec<_> = parts
+                .governor
+                .rows()
+                .into_iter()
+                .flat_map(|(role, capped, free)| {
+                    [
+                        (
+                            GovernorLabel {
+                                role,
+                                budget: "capped",
+                            },
+                            capped,
+                        ),
+                        (
+                            GovernorLabel {
+                                role,
+                                budget: "none",
+                            },
+                            free,
+                        ),
+                    ]
+                })
+                .collect();
+            family(
+                &mut enc,
+                "governor_decisions",
+                "Thinking budgets the reasoning governor decided, by request role (`capped`: a budget, `none`: no cap)",
+                true,
+                &decisions,
+            )?;
+            let running: Vec<_> = parts
+                .tasks
+                .running()
+                .into_iter()
+                .map(|(kind, n)| (KindLabel { kind }, n.max(0) as u64))
+                .collect();
+            family(
+                &mut enc,
+                "tasks_running",
+                "Tracked long-lived tasks running (accept loops, connection handlers), by kind",
+                false,
+                &running,
+            )?;
+            let ended: Vec<_> = parts
+                .tasks
+                .ended()
+                .into_iter()
+                .map(|(kind, outcome, n)| (TaskLabel { kind, outcome }, n))
+                .collect();
+            family(
+                &mut enc,
+                "task_exits",
+                "Tracked tasks that ended, by kind and outcome (`ok`, `panic`)",
+                true,
+                &ended,
+            )?;
+        }
         Ok(())
     }
 }
@@ -612,11 +758,11 @@ impl Collector for NodeCollector {
 struct NoLabels {}
 
 impl Metrics {
-    /// Metrics of a node whose tiers are in `tiers` (page store counters are read at scrape time).
-    pub fn new(tiers: crate::node::Registry) -> Self {
+    /// Metrics of a node; its engines, page stores and supervision tree are attached with
+    /// [`Metrics::watch_engines`] and [`Metrics::watch_node`].
+    pub fn new() -> Self {
         let mut m = Self::default();
-        m.registry
-            .register_collector(Box::new(NodeCollector { tiers }));
+        m.registry.register_collector(Box::new(m.node.clone()));
         m.registry
             .register_collector(Box::new(m.tool_collector.clone()));
         m
@@ -626,27 +772,142 @@ impl Metrics {
     pub fn watch_tools(&self, runner: Arc<mesh_control::spec_tools::ToolRunner>) {
         let _ = self.tool_collector.runner.set(runner);
     }
-}
 
-impl Metrics {
-    /// Text exposition, after refreshing gauges from the engines.
-    pub fn render(&self, engines: &[(String, Arc<EngineStats>)]) -> String {
-        for (model, s) in engines {
-            let l = ModelLabel {
-                model: model.clone(),
-            };
-            self.active
-                .get_or_create(&l)
-                .set(s.active.load(Ordering::Relaxed) as i64);
-            self.queued
-                .get_or_create(&l)
-                .set(s.queued.load(Ordering::Relaxed) as i64);
-            self.kv_reserved
-                .get_or_create(&l)
-                .set(s.reserved_cells.load(Ordering::Relaxed) as i64);
-            self.cancelled
-                .get_or_create(&l)
-                .set(s.cancelled.load(Ordering::Relaxed) as i64);
+    /// Exports the counters of the node's engines (first call wins).
+    pub fn watch_engines(&self, engines: mesh_actors::engines::Engines) {
+        let _ = self.node.engines.set(engines);
+    }
+
+    /// Exports the restarts of the node's actors, the governor's decisions and the tracked
+    /// tasks (first call wins).
+    pub fn watch_node(&self, parts: NodeParts) {
+        let _ = self.node.parts.set(parts);
+    }
+
+    /// Counts a finished HTTP request.
+    pub fn count(&self, endpoint: &str, status: u16) {
+        self.requests
+            .get_or_create(&RequestLabel {
+                endpoint: endpoint.into(),
+                status,
+            })
+            .inc();
+        if matches!(endpoint, "/v1/chat/completions" | "/v1/completions") {
+            self.totals.requests.fetch_add(1, Ordering::Relaxed);
+            if status >= 500 {
+                self.totals.errors.fetch_add(1, Ordering::Relaxed);
+            }
+        }
+    }
+
+    /// Counts a cascade step of `tier` with `verdict`.
+    pub fn cascade_step(&self, tier: &str, verdict: &str) {
+        self.cascade_steps
+            .get_or_create(&CascadeLabel {
+                tier: tier.to_owned(),
+                verdict: verdict.to_owned(),
+            })
+            .inc();
+        *self
+            .totals
+            .cascade
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .entry((tier.to_owned(), verdict.to_owned()))
+            .or_default() += 1;
+    }
+
+    /// Counts a generation submitted with a thinking budget.
+    pub fn reasoning_budgeted(&self, model: &str) {
+        self.reasoning_budgeted
+            .get_or_create(&Self::model(model))
+            .inc();
+        self.totals
+            .reasoning_budgeted
+            .fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Counts a think block the governor's budget closed.
+    pub fn reasoning_capped(&self, model: &str) {
+        self.reasoning_capped
+            .get_or_create(&Self::model(model))
+            .inc();
+        self.totals.reasoning_capped.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// The tuner's counters since the node started, read from typed totals and the
+    /// engines' own counters (never from the exposition text): chat and completion
+    /// requests (errors: status 5xx), cascade steps at `first_tier` (low-margin
+    /// escalations, low-router-score skips), generations with a thinking budget and those
+    /// it capped, drafted and accepted tokens, generated tokens, and the engines' hardware
+    /// counters where the kernel gives them.
+    pub fn totals(&self, first_tier: &str, engines: &mesh_actors::engines::Engines) -> Counters {
+        use Ordering::Relaxed;
+        let t = &self.totals;
+        let mut c = Counters {
+            requests: t.requests.load(Relaxed),
+            errors: t.errors.load(Relaxed),
+            reasoning_requests: t.reasoning_budgeted.load(Relaxed),
+            reasoning_capped: t.reasoning_capped.load(Relaxed),
+            ..Counters::default()
+        };
+        for ((tier, verdict), n) in t
+            .cascade
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .iter()
+        {
+            if tier != first_tier {
+                continue;
+            }
+            match verdict.as_str() {
+                "low_router_score" => c.low_router_score_skips += n,
+                "low_margin" => {
+                    c.first_tier_steps += n;
+                    c.first_tier_low_margin += n;
+                }
+                _ => c.first_tier_steps += n,
+            }
+        }
+        for e in engines.registry().iter() {
+            let s = &e.value().desc.stats;
+            c.draft_tokens += s.draft_tokens.load(Relaxed);
+            c.draft_accepted += s.draft_accepted.load(Relaxed);
+            c.generated_tokens += s.generated_tokens.load(Relaxed);
+            if let Some([ins, cyc, miss]) = s.hw.values() {
+                c.instructions += ins;
+                c.cycles += cyc;
+                c.cache_misses += miss;
+            }
+        }
+        c
+    }
+
+    /// Text exposition, after refreshing gauges from the engines; `store` is what the
+    /// page-store actor reported for this scrape.
+    pub fn render(&self, store: Vec<NamespaceStats>) -> String {
+        *self
+            .node
+            .store
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner) = store;
+        if let Some(engines) = self.node.engines.get() {
+            for e in engines.registry().iter() {
+                let s = &e.value().desc.stats;
+                let l = Self::model(e.key());
+                self.active
+                    .get_or_create(&l)
+                    .set(s.active.load(Ordering::Relaxed) as i64);
+                self.queued
+                    .get_or_create(&l)
+                    .set(s.queued.load(Ordering::Relaxed) as i64);
+                self.kv_reserved
+                    .get_or_create(&l)
+                    .set(s.reserved_cells.load(Ordering::Relaxed) as i64);
+                self.cancelled
+                    .get_or_create(&l)
+                    .set(s.cancelled.load(Ordering::Relaxed) as i64);
+            }
         }
         let mut out = String::new();
         encode(&mut out, &self.registry).expect("writing to a String cannot fail");

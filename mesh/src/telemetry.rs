@@ -80,3 +80,23 @@ pub fn init(service: &str) -> Telemetry {
         }
     }
 }
+
+/// Trace context of the current span, as wire headers (W3C `traceparent`, `tracestate`).
+pub fn inject_context() -> Vec<mesh_actors::wire::Header> {
+    use tracing_opentelemetry::OpenTelemetrySpanExt;
+    let cx = tracing::Span::current().context();
+    let mut map: std::collections::HashMap<String, String> = std::collections::HashMap::new();
+    opentelemetry::global::get_text_map_propagator(|p| p.inject_context(&cx, &mut map));
+    map.into_iter()
+        .map(|(key, value)| mesh_actors::wire::Header { key, value })
+        .collect()
+}
+
+/// The trace context a caller sent in wire headers.
+pub fn extract_context(headers: &[mesh_actors::wire::Header]) -> opentelemetry::Context {
+    let map: std::collections::HashMap<String, String> = headers
+        .iter()
+        .map(|h| (h.key.clone(), h.value.clone()))
+        .collect();
+    opentelemetry::global::get_text_map_propagator(|p| p.extract(&map))
+}

@@ -34,7 +34,7 @@ async fn live_reasoning_tokens(
     base: &str,
     task: &mesh_tiers::eval::Task,
 ) -> u64 {
-    let body = mesh::control_api::task_request(task, "t1", 160).unwrap();
+    let body = mesh::http::openai::task_request(task, "t1", 160).unwrap();
     let (status, v) = post(c, &format!("{base}/v1/chat/completions"), &body.to_string()).await;
     assert_eq!(status, 200, "{v}");
     v["usage"]["completion_tokens_details"]["reasoning_tokens"]
@@ -253,8 +253,13 @@ async fn periodic_cycles_skip_idle_windows_and_run_on_traffic() {
     let task = &mesh_tiers::eval::load_tasks(&root().join("models/fixtures/eval-heldout.jsonl"))
         .unwrap()[0];
     for _ in 0..2 {
-        let body = mesh::control_api::task_request(task, "t1", 48).unwrap();
-        let (status, v) = post(&c, &format!("{base}/v1/chat/completions"), &body.to_string()).await;
+        let body = mesh::http::openai::task_request(task, "t1", 48).unwrap();
+        let (status, v) = post(
+            &c,
+            &format!("{base}/v1/chat/completions"),
+            &body.to_string(),
+        )
+        .await;
         assert_eq!(status, 200, "{v}");
     }
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(120);
@@ -263,7 +268,10 @@ async fn periodic_cycles_skip_idle_windows_and_run_on_traffic() {
         if cycles(&p)["ran"].as_u64().unwrap() >= 1 {
             break p;
         }
-        assert!(std::time::Instant::now() < deadline, "no periodic cycle ran: {p:#}");
+        assert!(
+            std::time::Instant::now() < deadline,
+            "no periodic cycle ran: {p:#}"
+        );
         tokio::time::sleep(std::time::Duration::from_millis(250)).await;
     };
     // The cycle answered as `POST /v1/control/tune` would: no rule, or a judged trial.

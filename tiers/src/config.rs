@@ -71,6 +71,20 @@ pub struct EngineConfig {
     /// when the host has a CPU-less NUMA node. Not part of the file config.
     #[serde(skip)]
     pub kv_far_memory: Option<Arc<dyn mesh_kvstore::FarMemory>>,
+    /// Where the engine's pages live: the node's page-store actor, under a namespace of
+    /// the engine's own. `None`: the engine opens a store of its own. Not part of the file
+    /// config.
+    #[serde(skip)]
+    pub page_store: Option<PageStoreRef>,
+}
+
+/// A page store an engine opens its pages in (see [`EngineConfig::page_store`]).
+#[derive(Debug, Clone)]
+pub struct PageStoreRef {
+    /// Opens the namespace.
+    pub opener: Arc<dyn mesh_kvstore::PageStoreOpener>,
+    /// The engine's namespace (the tier name; the engine id for a variant).
+    pub namespace: String,
 }
 
 /// Code run first on an engine's own thread. Threads llama.cpp starts later (its compute
@@ -238,6 +252,7 @@ impl Default for EngineConfig {
             draft: None,
             thread_setup: ThreadSetup::default(),
             kv_far_memory: None,
+            page_store: None,
         }
     }
 }

@@ -30,8 +30,8 @@ use crate::{
 /// Prefix-page handles of an engine (metrics, tests).
 #[derive(Debug, Clone)]
 pub struct PageHandles {
-    /// The page store.
-    pub store: Arc<mesh_kvstore::PageStore>,
+    /// The engine's pages (its own store, or its namespace in the node's page-store actor).
+    pub store: Arc<dyn mesh_kvstore::PageBackend>,
     /// Reuse counters.
     pub reuse: Arc<ReuseStats>,
     /// Tokens per page.
@@ -130,6 +130,20 @@ pub struct ModelInfo {
 enum Command {
     Submit(Box<Pending>),
     Shutdown,
+    /// Fault injection: the loop panics, as a crash inside llama.cpp would end the thread.
+    Crash,
+}
+
+/// Fires when the engine thread ends, however it ends (dropped with the thread's closure,
+/// also while a panic unwinds).
+struct ExitGuard(Option<tokio::sync::oneshot::Sender<()>>);
+
+impl Drop for ExitGuard {
+    fn drop(&mut self) {
+        if let Some(tx) = self.0.take() {
+            let _ = tx.send(());
+        }
+    }
 }
 
 struct Pending {
@@ -151,6 +165,7 @@ pub struct Engine {
     tx: std_mpsc::Sender<Command>,
     thread: Option<JoinHandle<()>>,
     pages: Option<PageHandles>,
+    exited: Option<tokio::sync::oneshot::Receiver<()>>,
 }
 
 impl Engine {
@@ -197,6 +212,7 @@ impl Engine {
         let stats = Arc::new(EngineStats::default());
         let (tx, rx) = std_mpsc::channel();
         let (ready_tx, ready_rx) = std_mpsc::channel();
+        let (exit_tx, exited) = tokio::sync::oneshot::channel();
         let thread = {
             let (model, draft_model, cfg, stats, info) = (
                 model.clone(),
@@ -208,6 +224,7 @@ impl Engine {
             std::thread::Builder::new()
                 .name(format!("engine-{}", cfg.name))
                 .spawn(move || {
+                    let _exit = ExitGuard(Some(exit_tx));
                     cfg.thread_setup.run();
                     // Before llama.cpp starts its compute threads, so that they are counted.
                     let hw = crate::hwcount::HwCounters::open(&stats.hw);
@@ -251,7 +268,20 @@ impl Engine {
             stats,
             tx,
             thread: Some(thread),
+            exited: Some(exited),
         })
+    }
+
+    /// Resolves when the engine thread has ended, however it ended (taken once; `None`
+    /// after the first call).
+    pub fn exit_signal(&mut self) -> Option<tokio::sync::oneshot::Receiver<()>> {
+        self.exited.take()
+    }
+
+    /// Fault injection: makes the engine thread panic at its next loop turn, as a crash
+    /// inside llama.cpp would end it. Requests on it see their token streams end.
+    pub fn crash(&self) {
+        let _ = self.tx.send(Command::Crash);
     }
 
     /// Prefix-page store and counters, when paging is on.
@@ -372,11 +402,12 @@ fn load_draft(target: &LlamaModel, d: &DraftConfig) -> Result<LlamaModel, TierEr
             reason: "draft model file not found".into(),
         });
     }
-    let m = LlamaModel::load_from_file(backend(), &d.model, &LlamaModelParams::default())
-        .map_err(|e| TierError::ModelLoad {
+    let m = LlamaModel::load_from_file(backend(), &d.model, &LlamaModelParams::default()).map_err(
+        |e| TierError::ModelLoad {
             path: path.clone(),
             reason: e.to_string(),
-        })?;
+        },
+    )?;
     if m.n_vocab() != target.n_vocab() {
         return Err(TierError::Config(format!(
             "draft {path}: vocabulary of {} tokens, the target has {}",
@@ -453,7 +484,17 @@ fn start_pages(
         warn!(tier = %cfg.name, "could not read the KV layout; prefix pages off");
         return None;
     };
-    match KvCache::new(&cfg.kv_pages, &cfg.model, layout, cfg.kv_far_memory.clone()) {
+    let opener = cfg
+        .page_store
+        .as_ref()
+        .map(|p| (p.opener.as_ref(), p.namespace.as_str()));
+    match KvCache::new(
+        &cfg.kv_pages,
+        &cfg.model,
+        layout,
+        cfg.kv_far_memory.clone(),
+        opener,
+    ) {
         Ok(k) => Some(k),
         Err(e) => {
             warn!(tier = %cfg.name, error = %e, "prefix pages off");
@@ -646,6 +687,7 @@ impl<'m> Loop<'m> {
                 match rx.recv() {
                     Ok(Command::Submit(p)) => self.waiting.push_back(*p),
                     Ok(Command::Shutdown) | Err(_) => break,
+                    Ok(Command::Crash) => panic!("engine {}: crash injected", self.cfg.name),
                 }
             }
             let mut shutdown = false;
@@ -653,6 +695,7 @@ impl<'m> Loop<'m> {
                 match cmd {
                     Command::Submit(p) => self.waiting.push_back(*p),
                     Command::Shutdown => shutdown = true,
+                    Command::Crash => panic!("engine {}: crash injected", self.cfg.name),
                 }
             }
             if shutdown {
@@ -728,8 +771,7 @@ impl<'m> Loop<'m> {
                 .fetch_add(p.reserve, Ordering::Relaxed);
             self.stats.active.fetch_add(1, Ordering::Relaxed);
             let stop = StopMatcher::new(&p.req.stop);
-            let (seq, in_place, draft_in_place) =
-                self.take_slot(&p.req.prompt, &p.req.cache_scope);
+            let (seq, in_place, draft_in_place) = self.take_slot(&p.req.prompt, &p.req.cache_scope);
             self.stats
                 .draft_resident_tokens
                 .fetch_add(draft_in_place as u64, Ordering::Relaxed);
@@ -1017,7 +1059,12 @@ impl<'m> Loop<'m> {
             let (drafts, dists) = self.slots[slot]
                 .as_mut()
                 .and_then(|s| s.spec.as_mut())
-                .map(|sp| (std::mem::take(&mut sp.drafts), std::mem::take(&mut sp.dists)))
+                .map(|sp| {
+                    (
+                        std::mem::take(&mut sp.drafts),
+                        std::mem::take(&mut sp.dists),
+                    )
+                })
                 .unwrap_or_default();
             if drafts.is_empty() {
                 let (tok, margin) = self.choose(slot, row);
@@ -1201,7 +1248,10 @@ impl<'m> Loop<'m> {
         let Some(sp) = self.slots[slot].as_mut().and_then(|s| s.spec.as_mut()) else {
             return;
         };
-        let d = self.draft.as_mut().expect("speculative slots imply a draft");
+        let d = self
+            .draft
+            .as_mut()
+            .expect("speculative slots imply a draft");
         sp.k = speculative::next_k(sp.k, drafts.len(), accepted, d.cfg.k_min, d.cfg.k_max);
         // The target holds the pending token and the accepted drafts; the new pending
         // token is the next position.
@@ -1248,7 +1298,13 @@ impl<'m> Loop<'m> {
     /// `q`: speculative sampling against the distribution the request's chain draws from
     /// (its draws then follow that distribution exactly, as plain decoding's do). The
     /// reasoning governor's `</think>` overrides, as in [`Self::choose`].
-    fn choose_sampled(&mut self, slot: usize, row: i32, x: i32, q: &[(i32, f32)]) -> (LlamaToken, f32) {
+    fn choose_sampled(
+        &mut self,
+        slot: usize,
+        row: i32,
+        x: i32,
+        q: &[(i32, f32)],
+    ) -> (LlamaToken, f32) {
         if self.budget_spent(slot) {
             return self.choose(slot, row);
         }
@@ -1271,7 +1327,9 @@ impl<'m> Loop<'m> {
         let s = self.slots[slot].as_ref().expect("slot exists");
         self.think.is_some()
             && s.thinking
-            && s.req.reasoning_budget.is_some_and(|b| s.reasoning_tokens >= b)
+            && s.req
+                .reasoning_budget
+                .is_some_and(|b| s.reasoning_tokens >= b)
     }
 
     /// Appends a chosen token to its sequence: reasoning state, text, stop strings, the

@@ -16,11 +16,12 @@ use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::sync::Arc;
 
+use bytes::Bytes;
 use llama_cpp_2::context::session::LlamaStateSeqFlags;
 use llama_cpp_2::context::LlamaContext;
 use mesh_kvstore::{
-    chain, codec, FarMemory, Layout, ModelFingerprint, PageId, PageMeta, PageStore, Salt, SaltBase,
-    StoreConfig,
+    chain, codec, FarMemory, Layout, ModelFingerprint, PageBackend, PageId, PageMeta, PageStore,
+    PageStoreOpener, Salt, SaltBase, StoreConfig,
 };
 use tracing::{debug, warn};
 
@@ -47,7 +48,7 @@ pub struct KvCache {
     layout: Layout,
     base: SaltBase,
     salts: HashMap<String, Salt>,
-    store: Arc<PageStore>,
+    store: Arc<dyn PageBackend>,
     stats: Arc<ReuseStats>,
 }
 
@@ -97,23 +98,28 @@ impl PromptPages {
 }
 
 impl KvCache {
-    /// Sets up paging for a context: learns the KV layout by decoding one token into
-    /// `probe_seq` (then clears it) and opens the store, with a far-memory tier when `far`
-    /// is given and `cfg.far_bytes` is set and not 0.
+    /// Sets up paging for a context of `layout`: opens the store of `namespace` through
+    /// `opener` (the node's page-store actor), or a store of its own without one, with a
+    /// far-memory tier when `far` is given and `cfg.far_bytes` is set and not 0.
     pub fn new(
         cfg: &KvPagesConfig,
         model_path: &std::path::Path,
         layout: Layout,
         far: Option<Arc<dyn FarMemory>>,
+        opener: Option<(&dyn PageStoreOpener, &str)>,
     ) -> std::io::Result<Self> {
         let model = ModelFingerprint::of_file(model_path)?;
-        let store = Arc::new(PageStore::open(StoreConfig {
+        let scfg = StoreConfig {
             ram_bytes: cfg.ram_bytes,
             disk_dir: cfg.disk_dir.clone(),
             disk_bytes: cfg.disk_bytes,
             far,
             far_bytes: cfg.far_bytes.unwrap_or(0),
-        }));
+        };
+        let store: Arc<dyn PageBackend> = match opener {
+            Some((o, namespace)) => o.open(namespace, scfg),
+            None => Arc::new(PageStore::open(scfg)),
+        };
         Ok(Self {
             block: cfg.block,
             base: SaltBase::new(&model, &layout.descriptor()),
@@ -130,7 +136,7 @@ impl KvCache {
     }
 
     /// The store (metrics, tests).
-    pub fn store(&self) -> &Arc<PageStore> {
+    pub fn store(&self) -> &Arc<dyn PageBackend> {
         &self.store
     }
 
@@ -175,10 +181,7 @@ impl KvCache {
             published: false,
         };
         // Pages the sequence holds in place need no restore (nor publishing when stored).
-        let stored = plan.ids[..usable]
-            .iter()
-            .take_while(|id| self.store.contains(id))
-            .count();
+        let stored = self.store.stored_run(&plan.ids[..usable]);
         if stored * self.block <= in_place {
             plan.restored = stored;
             return (plan, in_place);
@@ -240,7 +243,7 @@ impl KvCache {
         let salt = self.salt(scope);
         let usable = prompt.len().saturating_sub(1) / self.block * self.block;
         let ids = chain(&salt, &prompt[..usable], self.block);
-        let stored = ids.iter().take_while(|id| self.store.contains(id)).count();
+        let stored = self.store.stored_run(&ids);
         let coming = ids[stored..]
             .iter()
             .take_while(|id| pending.contains_key(*id))
@@ -252,34 +255,43 @@ impl KvCache {
     /// Blocks another sequence already stored are counted as deduplicated.
     pub fn publish(&self, ctx: &LlamaContext<'_>, seq: i32, plan: &PromptPages) {
         let Some(salt) = plan.salt else { return };
-        let page_bytes = self.layout.page_bytes(self.block);
-        let mut kv = None;
-        for i in plan.restored..plan.ids.len() {
+        let from = plan.restored.min(plan.ids.len());
+        if from == plan.ids.len() {
+            return;
+        }
+        let held = self.store.held(&plan.ids[from..]);
+        let dup = held.iter().filter(|h| **h).count();
+        if dup > 0 {
+            self.store
+                .note_dedup(dup, self.layout.page_bytes(self.block));
+        }
+        if dup == held.len() {
+            return;
+        }
+        let kv = match codec::parse(&seq_state(ctx, seq)) {
+            Ok(parsed) => parsed,
+            Err(e) => {
+                debug!(seq, error = %e, "sequence state not pageable; nothing published");
+                return;
+            }
+        };
+        let mut new = vec![];
+        for (i, held) in (from..plan.ids.len()).zip(held) {
+            if held {
+                continue;
+            }
             let meta = PageMeta {
                 id: plan.ids[i],
                 salt,
                 block: self.block as u32,
                 index: i as u32,
             };
-            if self.store.contains(&meta.id) {
-                self.store.note_dedup(page_bytes);
-                continue;
-            }
-            if kv.is_none() {
-                match codec::parse(&seq_state(ctx, seq)) {
-                    Ok(parsed) => kv = Some(parsed),
-                    Err(e) => {
-                        debug!(seq, error = %e, "sequence state not pageable; nothing published");
-                        return;
-                    }
-                }
-            }
-            if let Some(payload) = kv.as_ref().and_then(|kv| kv.page(i, self.block)) {
-                if self.store.put(&meta, &payload) {
-                    self.stats.published.fetch_add(1, Relaxed);
-                }
+            if let Some(payload) = kv.page(i, self.block) {
+                new.push((meta, Bytes::from(payload)));
             }
         }
+        self.stats.published.fetch_add(new.len() as u64, Relaxed);
+        self.store.put(new);
     }
 
     /// The salt base (advertised so routers can compute page ids).

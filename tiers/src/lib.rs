@@ -21,13 +21,12 @@
 //! [`plan`] (what goes into the next batch), [`stop`] (stop strings),
 //! [`chat`] (prompt rendering and output parsing for the bundled chat format),
 //! [`cascade`] (when a tier's answer is kept or escalated; the reasoning budget).
-//! [`actor`] wraps an engine in a supervised ractor actor; [`quantize`] makes other GGUF
-//! variants of a tier's model.
+//! [`quantize`] makes other GGUF variants of a tier's model. The supervised actor that
+//! owns an engine on a node lives in `mesh-actors`.
 //!
 //! Caveat: llama.cpp's backend is process-global; [`backend`] initialises it
 //! once.
 
-pub mod actor;
 pub mod cascade;
 pub mod chat;
 mod config;
@@ -44,7 +43,9 @@ mod sampler;
 pub mod speculative;
 pub mod stop;
 
-pub use config::{DraftAcceptance, DraftConfig, EngineConfig, KvPagesConfig, KvType, ThreadSetup};
+pub use config::{
+    DraftAcceptance, DraftConfig, EngineConfig, KvPagesConfig, KvType, PageStoreRef, ThreadSetup,
+};
 pub use engine::{backend, Engine, EngineStats, ModelInfo, PageHandles};
 pub use error::TierError;
 pub use request::{FinishReason, GenerateRequest, SamplingParams, TokenEvent, Usage};

@@ -26,8 +26,9 @@ use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 pub const MAGIC: [u8; 2] = *b"MS";
 /// Version of the envelope types this build speaks (2: `GenerateCall.reasoning_budget` and the
 /// reasoning counts of `Event::Done`; 3: `GenerateCall.role`; 4: the draft counts of
-/// `Event::Done`).
-pub const WIRE_VERSION: u16 = 4;
+/// `Event::Done`; 5: calls to named actors (`Request::Call` with an envelope, the tier,
+/// page-store and router protocols) and roles, actors and store pages in adverts).
+pub const WIRE_VERSION: u16 = 5;
 /// Bytes before the payload.
 pub const HEADER_LEN: usize = 8;
 /// Default payload limit of control frames (1 MiB).

@@ -1,0 +1,235 @@
+//! The tuner over HTTP: `POST /v1/control/tune` (one cycle: 200 with the applied change,
+//! 422 with the gate's reason, 409 while another runs), `GET /v1/control/policy` (the policy,
+//! knobs, decisions and engines) and `PUT /v1/control/policy` (an operator's reload: the
+//! body's sections replace the current ones). The work is the tuner actor's
+//! (`mesh_actors::tuner`); this module only translates.
+
+use std::time::Duration;
+
+use axum::body::Bytes;
+use axum::extract::State;
+use axum::http::StatusCode;
+use axum::response::{IntoResponse, Response};
+use axum::Json;
+use mesh_actors::supervisor::{self, ActorCallError};
+use mesh_actors::tuner::{self, TuneError, TuneOutcome, TuneRequest, TunerMsg};
+use mesh_control::gate::Verdict;
+use serde::Deserialize;
+use serde_json::{json, Value};
+
+use super::error::ApiError;
+use super::HttpState;
+use crate::service::{Error, Kind};
+
+/// `POST /v1/control/tune` body; all optional (empty body: the rules decide).
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct TuneBody {
+    knob: Option<String>,
+    value: Option<f64>,
+    /// `latency_ms` (default), `accuracy` or `error`.
+    objective: Option<String>,
+}
+
+/// How long a control call waits for a restarting tuner.
+const RESTART_WAIT: Duration = Duration::from_secs(1);
+/// Longest a cycle may take (two probe windows over up to a few hundred tasks).
+const CYCLE_TIMEOUT: Duration = Duration::from_secs(3600);
+
+fn verdict_str(v: Verdict) -> &'static str {
+    match v {
+        Verdict::Accept => "accept",
+        Verdict::Reject => "reject",
+        Verdict::Revert => "revert",
+    }
+}
+
+fn tune_error(e: TuneError) -> ApiError {
+    let (kind, param) = match &e {
+        TuneError::Disabled => (Kind::TunerDisabled, None),
+        TuneError::InProgress => (Kind::TuningInProgress, None),
+        TuneError::Invalid { param, .. } => (Kind::InvalidRequest, param.clone()),
+        TuneError::NotReady(_) => (Kind::NotReady, None),
+        TuneError::EngineStart(_) => (Kind::EngineStartFailed, Some("quantization".into())),
+        TuneError::Internal(_) => (Kind::Internal, None),
+    };
+    ApiError(Error {
+        kind,
+        message: e.to_string(),
+        param,
+        retry_after: None,
+    })
+}
+
+fn actor_error(e: ActorCallError) -> ApiError {
+    ApiError(Error::unavailable(format!("{e}; retry shortly")))
+}
+
+/// A cycle's outcome as `POST /v1/control/tune` answers it (and as the periodic cycles
+/// show their last one).
+pub(crate) fn tune_response(r: Result<TuneOutcome, TuneError>) -> (StatusCode, Value) {
+    match r {
+        Err(e) => {
+            let e = tune_error(e);
+            let status = e.status();
+            let (_, kind, code) = super::error::class(e.0.kind);
+            (
+                status,
+                json!({"error": {"message": e.0.message, "type": kind, "param": e.0.param, "code": code}}),
+            )
+        }
+        Ok(TuneOutcome::NoRuleFired { counters, version }) => (
+            StatusCode::OK,
+            json!({"applied": null, "reason": "no rule fired on this window",
+                   "counters": counters, "version": version}),
+        ),
+        Ok(TuneOutcome::Decided {
+            decision: d,
+            counters,
+            trial,
+        }) => {
+            if d.verdict == Verdict::Accept {
+                (
+                    StatusCode::OK,
+                    json!({
+                        "applied": {"knob": d.knob, "before": d.before, "after": d.after},
+                        "version": d.version,
+                        "decision": d,
+                        "counters": counters,
+                        "trial": trial,
+                    }),
+                )
+            } else {
+                (
+                    StatusCode::UNPROCESSABLE_ENTITY,
+                    json!({
+                        "error": {
+                            "message": format!("{} -> {} rejected ({}): {}", d.knob, d.after,
+                                verdict_str(d.verdict), d.reason),
+                            "type": "tuning_rejected",
+                            "param": null,
+                            "code": verdict_str(d.verdict),
+                        },
+                        "version": d.version,
+                        "decision": d,
+                        "counters": counters,
+                        "trial": trial,
+                    }),
+                )
+            }
+        }
+    }
+}
+
+pub(crate) async fn tune(State(state): State<HttpState>, body: Bytes) -> Response {
+    let body: TuneBody = if body.iter().all(u8::is_ascii_whitespace) {
+        TuneBody::default()
+    } else {
+        match serde_json::from_slice(&body) {
+            Ok(b) => b,
+            Err(e) => {
+                return ApiError::bad_request(format!("invalid request body: {e}"), None)
+                    .into_response()
+            }
+        }
+    };
+    let request = TuneRequest {
+        knob: body.knob,
+        value: body.value,
+        objective: body.objective,
+    };
+    let r = supervisor::call(
+        &state.tuner,
+        "tuner",
+        RESTART_WAIT,
+        CYCLE_TIMEOUT,
+        |reply| TunerMsg::Tune {
+            request: request.clone(),
+            reply,
+        },
+    )
+    .await;
+    match r {
+        Ok(out) => {
+            let (status, v) = tune_response(out);
+            (status, Json(v)).into_response()
+        }
+        Err(e) => actor_error(e).into_response(),
+    }
+}
+
+pub(crate) async fn show_policy(State(state): State<HttpState>) -> Response {
+    let view = match supervisor::call(
+        &state.tuner,
+        "tuner",
+        RESTART_WAIT,
+        Duration::from_secs(10),
+        TunerMsg::Show,
+    )
+    .await
+    {
+        Ok(v) => v,
+        Err(e) => return actor_error(e).into_response(),
+    };
+    let c = &view.cycles;
+    let last = c.last.clone().map(|r| {
+        let (status, body) = tune_response(r);
+        json!({"status": status.as_u16(), "body": body})
+    });
+    Json(json!({
+        "version": view.version,
+        "policy": view.policy,
+        "knobs": view.knobs,
+        "history": view.history,
+        "decisions": view.decisions,
+        "state_file": view.state_file,
+        "journal": view.journal,
+        "enabled": view.enabled,
+        "periodic": {
+            "interval_s": view.interval_s,
+            "cycles": {"ran": c.ran, "idle": c.idle, "busy": c.busy, "last": last},
+        },
+        "engines": view.engines,
+    }))
+    .into_response()
+}
+
+/// `PUT /v1/control/policy`: the body's top-level sections (`cascade`, `reasoning`,
+/// `router_top_k`, `draft_k_max`, `quantization`) replace the current ones; sections left
+/// out stay. Checked like a state file at start, 400 with the reason otherwise; an engine
+/// the policy needs that does not start: 422, nothing changed; 409 while a cycle runs.
+pub(crate) async fn put_policy(State(state): State<HttpState>, body: Bytes) -> Response {
+    let patch: Value = match serde_json::from_slice(&body) {
+        Ok(v) => v,
+        Err(e) => {
+            return ApiError::bad_request(format!("invalid request body: {e}"), None)
+                .into_response()
+        }
+    };
+    let r = supervisor::call(
+        &state.tuner,
+        "tuner",
+        RESTART_WAIT,
+        Duration::from_secs(600),
+        |reply| TunerMsg::Replace {
+            edit: {
+                let patch = patch.clone();
+                Box::new(move |p| tuner::merged_policy(p, &patch))
+            },
+            via: "PUT /v1/control/policy".into(),
+            reply,
+        },
+    )
+    .await;
+    match r {
+        Ok(Ok(done)) => Json(json!({
+            "version": done.version,
+            "policy": done.policy,
+            "decision": done.decision,
+            "engines": done.engines,
+        }))
+        .into_response(),
+        Ok(Err(e)) => tune_error(e).into_response(),
+        Err(e) => actor_error(e).into_response(),
+    }
+}

@@ -1,0 +1,93 @@
+//! The HTTP layer: axum handlers, OpenAI's wire types and SSE, and one error type with its
+//! code table. It translates and nothing more: every handler turns a request into a call
+//! on the service layer (`crate::service`) or a message to an actor, and the answer back
+//! into JSON.
+//!
+//! Routes: `POST /v1/chat/completions`, `POST /v1/completions` ([`chat`]);
+//! `POST /v1/agent/tasks`, `GET /v1/tools` ([`agent`]); `POST /v1/control/tune`,
+//! `GET`/`PUT /v1/control/policy` ([`control`]); `GET /v1/models`, `GET /v1/cluster`,
+//! `GET /health`, `GET /ready`, `GET /metrics`, and `POST /v1/debug/crash` on a node started
+//! with fault injection ([`node`]).
+
+pub mod agent;
+pub mod chat;
+pub mod control;
+pub mod error;
+pub mod node;
+pub mod openai;
+
+use std::sync::Arc;
+
+use axum::http::StatusCode;
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use futures::future::BoxFuture;
+use mesh_actors::node::NodeMsg;
+use mesh_actors::supervisor::ActorSlot;
+use mesh_actors::tuner::TunerMsg;
+use serde_json::json;
+
+use crate::service::Service;
+
+/// Injects faults into a node's actors (the node implements it; see `crate::node`).
+pub trait FaultInjector: Send + Sync + 'static {
+    /// Names that [`inject`](Self::inject) takes.
+    fn targets(&self) -> Vec<String>;
+    /// Crashes the actor named `target`; `Err` says why not.
+    fn inject(&self, target: &str) -> BoxFuture<'static, Result<(), String>>;
+}
+
+/// Fault injection as the HTTP layer sees it: the injector and the token a request must
+/// carry (`x-mesh-fault-token`).
+#[derive(Clone)]
+pub struct Faults {
+    /// The token.
+    pub token: String,
+    /// The injector.
+    pub injector: Arc<dyn FaultInjector>,
+}
+
+/// What the handlers share.
+#[derive(Clone)]
+pub struct HttpState {
+    /// The service layer.
+    pub service: Service,
+    /// The tuner actor.
+    pub tuner: Arc<ActorSlot<TunerMsg>>,
+    /// The node supervisor (children and their restarts, for `GET /v1/cluster`).
+    pub supervisor: Option<ractor::ActorRef<NodeMsg>>,
+    /// Tier names this node is configured with (for `/ready`).
+    pub expected_tiers: Vec<String>,
+    /// This node's tier placement (`GET /v1/cluster`, `mesh status`), when planned.
+    pub placement: Option<mesh_control::placement::PlacementPlan>,
+    /// Fault injection, when the node was started with it.
+    pub faults: Option<Faults>,
+}
+
+impl HttpState {
+    /// Counts a finished request.
+    pub(crate) fn count(&self, endpoint: &str, status: StatusCode) {
+        self.service.metrics().count(endpoint, status.as_u16());
+    }
+}
+
+/// The router with every route.
+pub fn router(state: HttpState) -> Router {
+    Router::new()
+        .route("/v1/chat/completions", post(chat::chat_completions))
+        .route("/v1/completions", post(chat::completions))
+        .route("/v1/agent/tasks", post(agent::create_task))
+        .route("/v1/tools", get(agent::list_tools))
+        .route("/v1/control/tune", post(control::tune))
+        .route(
+            "/v1/control/policy",
+            get(control::show_policy).put(control::put_policy),
+        )
+        .route("/v1/models", get(node::models))
+        .route("/v1/cluster", get(node::cluster))
+        .route("/v1/debug/crash", post(node::crash))
+        .route("/health", get(|| async { Json(json!({"status": "ok"})) }))
+        .route("/ready", get(node::ready))
+        .route("/metrics", get(node::metrics))
+        .with_state(state)
+}

@@ -1,0 +1,295 @@
+//! What this node serves to peers: its actors' remote protocols (`tier`, `kv-store`,
+//! `router`), the advert its heartbeats carry, and the demotion of pages its stores let
+//! go of to a store peer.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use futures::future::BoxFuture;
+use mesh_actors::cluster::{AdvertSource, LocalAdvert};
+use mesh_actors::engines::Engines;
+use mesh_actors::pagestore::{Demoted, PageStores, StoreMsg, StoreProtocol};
+use mesh_actors::remote::{CallContext, Exports, Started};
+use mesh_actors::router::{self, RouterMsg, RouterProtocol};
+use mesh_actors::supervisor::ActorSlot;
+use mesh_actors::tasks::{Life, Tasks};
+use mesh_actors::tier::{self as tier_wire, TierMsg, TierProtocol};
+use mesh_actors::tuner::LivePolicy;
+use mesh_actors::wire::{
+    ErrorClass, NamespacePages, PageBlob, RemoteError, RouterCall, RouterItem, StoreCall,
+    StoreItem, TierCall, TierItem,
+};
+use mesh_actors::Cluster;
+use mesh_control::policy::Role;
+use mesh_kvstore::{PageId, Salt};
+use mesh_tiers::TokenEvent;
+use tokio::sync::mpsc;
+use tracing::{info_span, warn, Instrument};
+use tracing_opentelemetry::OpenTelemetrySpanExt;
+
+use crate::service::dispatch::{prefetch, Dispatcher};
+
+/// Adverts carry at most this many page ids per namespace (most recently used first).
+const ADVERTISED_PAGES: usize = 1024;
+/// Most pages one demotion call carries.
+const DEMOTE_BATCH: usize = 32;
+
+fn refused(class: ErrorClass, message: impl Into<String>) -> RemoteError {
+    RemoteError {
+        class,
+        message: message.into(),
+    }
+}
+
+fn one<I: Send + 'static>(item: I) -> Started<I> {
+    let (tx, rx) = mpsc::unbounded_channel();
+    let _ = tx.send(Ok(item));
+    Ok(rx)
+}
+
+/// Exports the tier protocol: a peer's generate call runs on the engine this node's
+/// quantization policy gives the call's role (its prefix pages pulled first when another
+/// peer holds them), its tokenize call on the tier's tokenizer.
+pub fn export_tiers(
+    exports: &Exports,
+    engines: Engines,
+    policy: Arc<LivePolicy>,
+    dispatcher: Arc<std::sync::OnceLock<Dispatcher>>,
+) {
+    exports.export::<TierProtocol>(move |call: TierCall, ctx: CallContext| -> BoxFuture<'static, Started<TierItem>> {
+        match call {
+            TierCall::Tokenize { model, text } => {
+                let entry = engines.get(&model);
+                Box::pin(async move {
+                    let entry = entry.ok_or_else(|| {
+                        refused(ErrorClass::NotFound, format!("tier `{model}` is not running on this node"))
+                    })?;
+                    let tokens = ractor::call!(entry.actor, |reply| TierMsg::Tokenize { text, reply })
+                        .map_err(|e| refused(ErrorClass::Unavailable, format!("tier actor unavailable: {e}")))?;
+                    one(TierItem::Tokens(tokens))
+                })
+            }
+            TierCall::Generate(call) => {
+                let entry = engines.get(&call.model);
+                // The engine this node's quantization policy gives the call's role (the
+                // tier's own when the policy names none, or the caller sent no role).
+                let (entry, lease, engine) = match (entry, Role::from_name(&call.role)) {
+                    (Some(e), Some(role)) => {
+                        let p = policy.load().policy.clone();
+                        let picked = engines.pick(&p.quantization, role, &call.model, e);
+                        (Some(picked.entry), picked.lease, Some(picked.info.gguf))
+                    }
+                    (e, _) => (e, None, None),
+                };
+                let dispatcher = dispatcher.clone();
+                Box::pin(async move {
+                    let span = info_span!("tier.generate", gen_ai.request.model = %call.model,
+                        gen_ai.operation.name = "chat", mesh.remote = true, mesh.request_id = %call.request_id,
+                        mesh.peer = %ctx.peer, mesh.role = %call.role, mesh.engine = engine.as_deref().unwrap_or(""),
+                        gen_ai.usage.input_tokens = call.prompt.len(), gen_ai.usage.output_tokens = tracing::field::Empty);
+                    let _ = span.set_parent(crate::telemetry::extract_context(&ctx.envelope.trace));
+                    if let Some(d) = dispatcher.get() {
+                        prefetch(d, &call.model, &call.prompt, &call.cache_scope)
+                            .instrument(span.clone())
+                            .await;
+                    }
+                    let Some(entry) = entry else {
+                        return Err(refused(
+                            ErrorClass::NotFound,
+                            format!("tier `{}` is not running on this node", call.model),
+                        ));
+                    };
+                    let req = tier_wire::from_call(call);
+                    let mut rx = match ractor::call!(entry.actor, |reply| TierMsg::Generate { req, reply }) {
+                        Ok(Ok(rx)) => rx,
+                        Ok(Err(e)) => return Err(tier_wire::remote_error(e)),
+                        Err(e) => {
+                            return Err(refused(ErrorClass::Unavailable, format!("tier actor unavailable: {e}")))
+                        }
+                    };
+                    let (tx, out) = mpsc::unbounded_channel();
+                    tokio::spawn(
+                        async move {
+                            // A variant engine stays up until this stream ends.
+                            let _lease = lease;
+                            while let Some(ev) = rx.recv().await {
+                                if let TokenEvent::Done { usage, .. } = &ev {
+                                    tracing::Span::current()
+                                        .record("gen_ai.usage.output_tokens", usage.completion_tokens);
+                                }
+                                let last = matches!(ev, TokenEvent::Done { .. } | TokenEvent::Error(_));
+                                // A failed send means the caller went away: dropping rx cancels
+                                // the sequence.
+                                if tx.send(Ok(TierItem::Event(tier_wire::to_wire(ev)))).is_err() || last {
+                                    return;
+                                }
+                            }
+                        }
+                        .instrument(span),
+                    );
+                    Ok(out)
+                })
+            }
+        }
+    });
+}
+
+/// Exports the page-store protocol: peers fetch prefix pages; compute nodes demote pages.
+pub fn export_store(exports: &Exports, pages: PageStores) {
+    exports.export::<StoreProtocol>(
+        move |call: StoreCall, _ctx: CallContext| -> BoxFuture<'static, Started<StoreItem>> {
+            let pages = pages.clone();
+            Box::pin(async move {
+                match call {
+                    StoreCall::Fetch { ns, salt, ids } => {
+                        let salt = <[u8; 32]>::try_from(salt).map_err(|_| {
+                            refused(ErrorClass::InvalidRequest, "salt must be 32 bytes")
+                        })?;
+                        let ids: Vec<PageId> = ids
+                            .iter()
+                            .map_while(|id| <[u8; 32]>::try_from(id.as_slice()).ok().map(PageId))
+                            .collect();
+                        let got = pages
+                            .call(|reply| StoreMsg::GetStored {
+                                ns: ns.clone(),
+                                salt: Salt(salt),
+                                ids: ids.clone(),
+                                reply,
+                            })
+                            .await
+                            .map_err(|e| refused(ErrorClass::Unavailable, e.to_string()))?;
+                        let (tx, rx) = mpsc::unbounded_channel();
+                        for (id, b) in got {
+                            let _ = tx.send(Ok(StoreItem::Page(PageBlob {
+                                id: id.0.to_vec(),
+                                stored: b.to_vec(),
+                            })));
+                        }
+                        Ok(rx)
+                    }
+                    StoreCall::Put {
+                        ns,
+                        base,
+                        block,
+                        pages: blobs,
+                    } => {
+                        let base = <[u8; 32]>::try_from(base).map_err(|_| {
+                            refused(ErrorClass::InvalidRequest, "salt base must be 32 bytes")
+                        })?;
+                        let blobs: Vec<(PageId, Bytes)> = blobs
+                            .into_iter()
+                            .filter_map(|b| {
+                                let id = <[u8; 32]>::try_from(b.id.as_slice()).ok()?;
+                                Some((PageId(id), Bytes::from(b.stored)))
+                            })
+                            .collect();
+                        let n = pages
+                            .call(|reply| StoreMsg::PutDemoted {
+                                ns: ns.clone(),
+                                base,
+                                block,
+                                pages: blobs.clone(),
+                                reply,
+                            })
+                            .await
+                            .map_err(|e| refused(ErrorClass::Unavailable, e.to_string()))?;
+                        one(StoreItem::Stored { pages: n as u32 })
+                    }
+                }
+            })
+        },
+    );
+}
+
+/// Exports the router protocol: a gateway without a router routes through this one.
+pub fn export_router(exports: &Exports, slot: Arc<ActorSlot<RouterMsg>>) {
+    exports.export::<RouterProtocol>(
+        move |call: RouterCall, _ctx: CallContext| -> BoxFuture<'static, Started<RouterItem>> {
+            let slot = slot.clone();
+            Box::pin(async move {
+                let r = router::ask(&slot, router::from_wire(call)).await;
+                one(router::routed_to_wire(r))
+            })
+        },
+    );
+}
+
+/// What this node's heartbeats say: its tiers with their page sets, and the pages its
+/// store keeps for peers.
+pub fn advert_source(engines: Engines, pages: PageStores) -> AdvertSource {
+    Arc::new(move || {
+        let (engines, pages) = (engines.clone(), pages.clone());
+        Box::pin(async move {
+            let set = pages
+                .call(|reply| StoreMsg::Advert {
+                    limit: ADVERTISED_PAGES,
+                    reply,
+                })
+                .await
+                .unwrap_or_default();
+            let foreign = pages.foreign();
+            LocalAdvert {
+                tiers: engines.adverts(&set),
+                pages: set
+                    .into_iter()
+                    .filter_map(|(ns, ids)| {
+                        let (base, block) = foreign.get(&ns)?;
+                        Some(NamespacePages {
+                            ns,
+                            ids,
+                            base: base.to_vec(),
+                            block: *block,
+                        })
+                    })
+                    .collect(),
+            }
+        })
+    })
+}
+
+/// Forwards the pages this node's stores let go of to a store peer (a tracked task): up to
+/// [`DEMOTE_BATCH`] pages a call, each namespace's with the salt base and block its tier
+/// advertises. Pages arriving while no store peer is up are dropped (they were being
+/// evicted anyway).
+pub fn start_demotion(tasks: &Tasks, pages: &PageStores, engines: Engines, cluster: Cluster) {
+    let (tx, mut rx) = mpsc::unbounded_channel::<Demoted>();
+    pages.demote_to(tx);
+    tasks.spawn("kv-demote", Life::Long, async move {
+        while let Some(first) = rx.recv().await {
+            let mut batch = vec![first];
+            while batch.len() < DEMOTE_BATCH {
+                match rx.try_recv() {
+                    Ok(d) => batch.push(d),
+                    Err(_) => break,
+                }
+            }
+            let Some(node) = cluster.peers_in_role("store").into_iter().next() else {
+                continue;
+            };
+            let mut by_ns: std::collections::BTreeMap<String, Vec<PageBlob>> = Default::default();
+            for d in batch {
+                by_ns.entry(d.ns).or_default().push(PageBlob {
+                    id: d.id.0.to_vec(),
+                    stored: d.stored.to_vec(),
+                });
+            }
+            for (ns, blobs) in by_ns {
+                let Some(p) = engines.get(&ns).and_then(|e| e.desc.pages.clone()) else {
+                    continue;
+                };
+                let n = blobs.len();
+                match tokio::time::timeout(
+                    Duration::from_secs(30),
+                    cluster.put_pages(&node, &ns, p.base.0, p.block as u32, blobs),
+                )
+                .await
+                {
+                    Ok(Ok(kept)) => tracing::debug!(%node, %ns, pages = n, kept, "demoted pages to a store peer"),
+                    Ok(Err(e)) => warn!(%node, %ns, error = %e, "demoting pages failed"),
+                    Err(_) => warn!(%node, %ns, "demoting pages timed out"),
+                }
+            }
+        }
+    });
+}

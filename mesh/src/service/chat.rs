@@ -1,0 +1,653 @@
+//! Chat and raw completions.
+//!
+//! Request path: read the live policy once → (chat with more than `route_above` tools) the
+//! router actor keeps the top-k → render the prompt, build the tool-call grammar → pick
+//! the node hosting the tier, local or a peer (404 `model_not_found`; while this node's
+//! engine restarts, wait for it) → take a concurrency permit (429) → tokenize on that node
+//! → with the prompt known, prefer a node holding its prefix pages → check the context
+//! (400 `context_length_exceeded`) → the governor actor decides the thinking budget → the
+//! quantization policy picks the local engine for the request's role → dispatch. A caller
+//! that drops the [`Reply`] cancels the generation and frees its sequence.
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use mesh_actors::governor::{self, BudgetQuery};
+use mesh_actors::remote::Protocol;
+use mesh_actors::router::{self, RouteQuery, RouterProtocol};
+use mesh_control::policy::{Policy, Role as RequestRole};
+use mesh_control::Tool;
+use mesh_tiers::chat::{self, ChatMessage, Role, ToolSpec};
+use mesh_tiers::grammar;
+use mesh_tiers::{GenerateRequest, SamplingParams, TierError};
+use tracing::{info_span, warn, Instrument};
+
+use super::dispatch::{RouteError, StartError, Target};
+use super::stream::Timed;
+use super::{
+    ChatCall, CompleteCall, Error, Hold, MeshInfo, Prompt, Reply, RouterInfo, Sampling, Service,
+    ToolChoice,
+};
+use crate::metrics::{EngineLabel, RoutingLabel};
+
+/// A chat call rendered for the tiers.
+pub(crate) struct Prepared {
+    pub(crate) prompt_text: String,
+    /// Tools shown in the prompt.
+    pub(crate) shown: Vec<ToolSpec>,
+    grammar: Option<String>,
+    trigger: Option<String>,
+    pub(crate) scope: String,
+    /// The tool router's top-1 score, when it routed this request (cascade entry tier,
+    /// reasoning budget).
+    pub(crate) confidence: Option<f32>,
+}
+
+/// Renders `call` (whose tools are already routed): the prompt, the tools it shows, the
+/// grammar `tool_choice` asks for, and the page scope.
+pub(crate) fn prepare(call: &ChatCall, routed: Option<&RouterInfo>) -> Result<Prepared, Error> {
+    if call.messages.is_empty() {
+        return Err(Error::invalid(
+            "messages must not be empty",
+            Some("messages"),
+        ));
+    }
+    let (shown, grammar) = tool_plan(call.tools.clone(), &call.tool_choice)?;
+    let prompt_text = chat::render_prompt(&call.messages, &shown);
+    let (grammar, trigger) = match grammar {
+        Some((g, true)) => (Some(g), Some(chat::CALL.to_owned())),
+        Some((g, false)) => (Some(g), None),
+        None => (None, None),
+    };
+    // Prefix pages are shared only between requests offered the same tools.
+    let scope = cache_scope(&shown);
+    Ok(Prepared {
+        prompt_text,
+        shown,
+        grammar,
+        trigger,
+        scope,
+        confidence: routed.map(|i| i.top1),
+    })
+}
+
+fn cache_scope(tools: &[ToolSpec]) -> String {
+    let mut names: Vec<&str> = tools.iter().map(|t| t.name.as_str()).collect();
+    names.sort_unstable();
+    names.dedup();
+    format!("tools:{}", names.join(","))
+}
+
+/// Tools to show in the prompt and the grammar to apply (`(grammar, lazy)`), from
+/// `tool_choice`.
+pub(crate) fn tool_plan(
+    tools: Vec<ToolSpec>,
+    choice: &ToolChoice,
+) -> Result<(Vec<ToolSpec>, Option<(String, bool)>), Error> {
+    let err = |m: String| Error::invalid(m, Some("tool_choice"));
+    let g =
+        |r: Result<String, TierError>| r.map_err(|e| Error::invalid(e.to_string(), Some("tools")));
+    match choice {
+        ToolChoice::Unset | ToolChoice::Auto if tools.is_empty() => Ok((tools, None)),
+        ToolChoice::Unset | ToolChoice::Auto => {
+            let gr = g(grammar::tool_call_grammar(&tools))?;
+            Ok((tools, Some((gr, true))))
+        }
+        ToolChoice::None => Ok((Vec::new(), None)),
+        ToolChoice::Required if tools.is_empty() => {
+            Err(err("tool_choice `required` needs at least one tool".into()))
+        }
+        ToolChoice::Required => {
+            let gr = g(grammar::required_tool_call_grammar(&tools))?;
+            Ok((tools, Some((gr, false))))
+        }
+        ToolChoice::Named(name) => {
+            let chosen: Vec<ToolSpec> = tools.iter().filter(|t| &t.name == name).cloned().collect();
+            if chosen.is_empty() {
+                return Err(err(format!(
+                    "tool_choice names `{name}`, which is not in tools"
+                )));
+            }
+            let gr = g(grammar::required_tool_call_grammar(&chosen))?;
+            Ok((tools, Some((gr, false))))
+        }
+    }
+}
+
+/// Checks the sampling fields.
+pub(crate) fn sampling(s: &Sampling) -> Result<SamplingParams, Error> {
+    let t = s.temperature.unwrap_or(0.0);
+    if !(0.0..=2.0).contains(&t) {
+        return Err(Error::invalid(
+            "temperature must be between 0 and 2",
+            Some("temperature"),
+        ));
+    }
+    let p = s.top_p.unwrap_or(1.0);
+    if !(p > 0.0 && p <= 1.0) {
+        return Err(Error::invalid("top_p must be in (0, 1]", Some("top_p")));
+    }
+    let k = s.top_k.unwrap_or(0);
+    if k < 0 {
+        return Err(Error::invalid("top_k must be >= 0", Some("top_k")));
+    }
+    Ok(SamplingParams {
+        temperature: t,
+        top_p: p,
+        top_k: k,
+        seed: s.seed.unwrap_or(0) as u32,
+    })
+}
+
+/// The completion budget: the asked one if it fits the context, else the default within it.
+fn budget(
+    default: usize,
+    limit: usize,
+    prompt_len: usize,
+    asked: Option<usize>,
+) -> Result<usize, Error> {
+    let exceeded = |max_tokens| {
+        Error::from_tier(
+            TierError::ContextExceeded {
+                prompt: prompt_len,
+                max_tokens,
+                limit,
+            },
+            0,
+        )
+    };
+    match asked {
+        Some(0) => Err(Error::invalid(
+            "max_tokens must be at least 1",
+            Some("max_tokens"),
+        )),
+        Some(n) if prompt_len + n > limit => Err(exceeded(n)),
+        Some(n) => Ok(n),
+        None if prompt_len >= limit => Err(exceeded(0)),
+        None => Ok(default.min(limit - prompt_len)),
+    }
+}
+
+/// Text of the last user message (the intent the tool router matches).
+fn last_user_text(messages: &[ChatMessage]) -> Option<String> {
+    messages
+        .iter()
+        .rev()
+        .find(|m| m.role == Role::User)
+        .map(|m| m.content.clone())
+        .filter(|t| !t.is_empty())
+}
+
+/// A generation job ready for a tier.
+pub(crate) struct Job {
+    pub(crate) model: String,
+    pub(crate) req: GenerateRequest,
+    pub(crate) engine: Option<super::EngineInfo>,
+    pub(crate) lease: Option<Arc<()>>,
+    /// What the request is for (quantization policy); a peer serving it picks its engine by it.
+    pub(crate) role: RequestRole,
+}
+
+impl Job {
+    /// The reply of this job's token stream `rx`, holding `permit` (and the engine's lease)
+    /// until it is dropped.
+    pub(crate) fn reply(
+        self,
+        service: &Service,
+        rx: tokio::sync::mpsc::UnboundedReceiver<mesh_tiers::TokenEvent>,
+        permit: Option<tokio::sync::OwnedSemaphorePermit>,
+        router: Option<RouterInfo>,
+        arrived: Instant,
+    ) -> Reply {
+        Reply {
+            mesh: MeshInfo {
+                tier: self.model.clone(),
+                router,
+                engine: self.engine,
+                ..MeshInfo::default()
+            },
+            events: Timed::new(rx, &self.model, service.metrics().clone(), arrived),
+            model: self.model,
+            _hold: Hold {
+                _permit: permit,
+                _lease: self.lease,
+            },
+        }
+    }
+}
+
+impl Service {
+    /// The node for `model` now (404 when no node knows it, 503 when none can take it).
+    pub(crate) fn find_tier(&self, model: &str) -> Result<Target, Error> {
+        self.inner
+            .dispatcher
+            .route(model, &[])
+            .map_err(|e| self.route_error(model, e))
+    }
+
+    /// [`find_tier`](Self::find_tier), waiting for this node's restarting engine.
+    pub(crate) async fn find_tier_waiting(
+        &self,
+        model: &str,
+        deadline: Instant,
+    ) -> Result<Target, Error> {
+        let wait = deadline
+            .saturating_duration_since(Instant::now())
+            .min(self.settings().restart_wait);
+        self.inner
+            .dispatcher
+            .route_or_wait(model, wait)
+            .await
+            .map_err(|e| self.route_error(model, e))
+    }
+
+    fn route_error(&self, model: &str, e: RouteError) -> Error {
+        match e {
+            RouteError::Unknown(names) => Error::model_not_found(model, &names),
+            RouteError::NoneAvailable => Error::unavailable(format!(
+                "No node hosting `{model}` is available right now (restarting or lost); retry shortly."
+            )),
+        }
+    }
+
+    pub(crate) fn deadline(&self) -> Instant {
+        Instant::now() + self.settings().request_timeout
+    }
+
+    /// Tokenizes on `target`; if that node fails, moves `target` to the next node hosting
+    /// the tier and tries there.
+    pub(crate) async fn tokenize(
+        &self,
+        target: &mut Target,
+        model: &str,
+        text: String,
+    ) -> Result<Vec<i32>, Error> {
+        let d = &self.inner.dispatcher;
+        let mut failed: Vec<String> = vec![];
+        loop {
+            match d.tokenize(target, model, text.clone()).await {
+                Ok(t) => return Ok(t),
+                Err(why) => {
+                    if let Target::Remote { node, .. } = &*target {
+                        failed.push(node.clone());
+                    }
+                    let next = match &*target {
+                        Target::Remote { .. } if failed.len() < super::dispatch::MAX_ATTEMPTS => {
+                            d.route(model, &failed).ok()
+                        }
+                        _ => None,
+                    };
+                    match next {
+                        Some(t) => *target = t,
+                        None => {
+                            return Err(Error::unavailable(format!(
+                                "No node hosting `{model}` is available right now ({why}); retry shortly."
+                            )))
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    /// With more tools than `route_above`, the router actor keeps its top-k for the last
+    /// user message (a `tool_choice` tool always stays). Routing problems (no embedding
+    /// model, duplicate names, the router down) are logged and the call keeps every tool.
+    pub(crate) async fn route_tools(
+        &self,
+        call: &mut ChatCall,
+        top_k: usize,
+    ) -> Option<RouterInfo> {
+        let cfg = &self.settings().tool_routing;
+        if cfg.route_above == 0 || call.tools.len() <= cfg.route_above {
+            return None;
+        }
+        if call.tool_choice == ToolChoice::None {
+            return None;
+        }
+        // This node's router, else (a gateway without tiers) a peer's.
+        let local = self.inner.actors.router.clone();
+        let peer = match (&local, self.cluster()) {
+            (None, Some(c)) => Some((
+                c.clone(),
+                c.peers_with(RouterProtocol::ACTOR).into_iter().next()?,
+            )),
+            (None, None) => return None,
+            _ => None,
+        };
+        let intent = last_user_text(&call.messages)?;
+        let query = RouteQuery {
+            tools: call
+                .tools
+                .iter()
+                .map(|t| Tool {
+                    name: t.name.clone(),
+                    description: t.description.clone(),
+                    parameters: t.parameters.clone(),
+                })
+                .collect(),
+            intent,
+            top_k,
+            forced: match &call.tool_choice {
+                ToolChoice::Named(n) => Some(n.clone()),
+                _ => None,
+            },
+        };
+        let offered = call.tools.len();
+        let routed = async {
+            match (&local, &peer) {
+                (Some(slot), _) => router::ask(slot, query).await,
+                (None, Some((cluster, node))) => cluster
+                    .route_tools(node, router::to_wire(&query))
+                    .await
+                    .map_err(|e| e.to_string())
+                    .and_then(router::routed_from_wire),
+                (None, None) => Err("no router".into()),
+            }
+        }
+        .instrument(info_span!(
+            "router.route",
+            mesh.router.offered = offered,
+            mesh.router.peer = peer.as_ref().map_or("", |p| p.1.as_str())
+        ))
+        .await;
+        let m = self.metrics();
+        let outcome = |o: &str| {
+            m.tool_routing
+                .get_or_create(&RoutingLabel { outcome: o.into() })
+                .inc();
+        };
+        match routed {
+            Ok(info) => {
+                outcome("routed");
+                // The request's own order, so requests that route to the same tools share
+                // one prompt prefix (and its KV pages).
+                call.tools.retain(|t| info.shown.contains(&t.name));
+                m.tools_removed.inc_by((offered - call.tools.len()) as u64);
+                Some(info)
+            }
+            Err(e) => {
+                outcome("failed");
+                warn!(error = %e, "tool routing failed; the prompt shows every tool");
+                None
+            }
+        }
+    }
+
+    /// The thinking budget of a request, from the governor actor (or, when it cannot
+    /// answer, from the same rule here).
+    async fn thinking_budget(
+        &self,
+        policy: &Policy,
+        role: RequestRole,
+        requested: Option<usize>,
+        confidence: Option<f32>,
+    ) -> Option<usize> {
+        let query = BudgetQuery {
+            role,
+            requested,
+            confidence,
+            policy: policy.reasoning.clone(),
+        };
+        match governor::ask(&self.inner.actors.governor, query).await {
+            Some(b) => b,
+            None => {
+                warn!("the governor did not answer; deciding the budget here");
+                governor::budget(&policy.reasoning, role, requested, confidence)
+            }
+        }
+    }
+
+    /// The request a chat call sends to a tier with `max_seq_len` tokens of context.
+    pub(crate) async fn build_request(
+        &self,
+        call: &ChatCall,
+        p: &Prepared,
+        prompt: Vec<i32>,
+        max_seq_len: usize,
+        policy: &Policy,
+        role: RequestRole,
+    ) -> Result<GenerateRequest, Error> {
+        let max_tokens = budget(
+            self.settings().default_max_tokens,
+            max_seq_len,
+            prompt.len(),
+            call.max_tokens,
+        )?;
+        let sampling = sampling(&call.sampling)?;
+        let reasoning_budget = self
+            .thinking_budget(policy, role, call.reasoning_budget, p.confidence)
+            .await;
+        Ok(GenerateRequest {
+            prompt,
+            max_tokens,
+            sampling,
+            stop: call.stop.clone(),
+            grammar: p.grammar.clone(),
+            grammar_trigger: p.trigger.clone(),
+            ignore_eos: call.ignore_eos,
+            request_id: String::new(),
+            cache_scope: p.scope.clone(),
+            reasoning_budget,
+            draft_max: Some(policy.draft_k_max),
+        })
+    }
+
+    /// The engine a request of `role` runs on: for a local tier, the one the quantization
+    /// policy names (or the tier's own); a peer's tier as it is.
+    pub(crate) fn engine_for(
+        &self,
+        target: Target,
+        tier: &str,
+        role: RequestRole,
+        q: &mesh_control::policy::QuantPolicy,
+    ) -> (Target, Option<super::EngineInfo>, Option<Arc<()>>) {
+        match target {
+            Target::Local(entry) => {
+                let p = self.engines().pick(q, role, tier, entry);
+                (Target::Local(p.entry), Some(p.info), p.lease)
+            }
+            remote => (remote, None, None),
+        }
+    }
+
+    /// Sends `job` to `target` (failing over as [`super::dispatch`] says); the token stream.
+    pub(crate) async fn submit(
+        &self,
+        target: Target,
+        job: &Job,
+        deadline: Instant,
+    ) -> Result<tokio::sync::mpsc::UnboundedReceiver<mesh_tiers::TokenEvent>, Error> {
+        let retry = self.settings().retry_after_s;
+        let m = self.metrics();
+        if job.req.reasoning_budget.is_some() {
+            m.reasoning_budgeted(&job.model);
+        }
+        if let Some(e) = &job.engine {
+            m.engine_requests
+                .get_or_create(&EngineLabel {
+                    model: job.model.clone(),
+                    gguf: e.gguf.clone(),
+                    kv_type: e.kv_type.clone(),
+                    role: e.role.clone(),
+                })
+                .inc();
+        }
+        self.inner
+            .dispatcher
+            .clone()
+            .dispatch(
+                target,
+                job.model.clone(),
+                job.req.clone(),
+                job.role,
+                deadline.into(),
+            )
+            .await
+            .map_err(|e| match e {
+                StartError::Tier(e) => Error::from_tier(e, retry),
+                StartError::Call(mesh_actors::CallError::Remote(r)) => {
+                    Error::from_tier(mesh_actors::tier::remote_to_tier(&r), retry)
+                }
+                StartError::Call(e) => {
+                    Error::unavailable(format!("no node could take the request: {e}"))
+                }
+            })
+    }
+
+    /// A chat completion under the live policy.
+    pub async fn chat(&self, call: ChatCall) -> Result<Reply, Error> {
+        self.chat_with(call, self.policy()).await
+    }
+
+    /// A chat completion under `policy` (the live one, or a tuner trial's).
+    pub async fn chat_with(&self, mut call: ChatCall, policy: Arc<Policy>) -> Result<Reply, Error> {
+        let arrived = Instant::now();
+        let deadline = self.deadline();
+        let span = info_span!("gateway.chat", gen_ai.request.model = %call.model, gen_ai.operation.name = "chat",
+            gen_ai.usage.input_tokens = tracing::field::Empty, mesh.tier = %call.model);
+        async move {
+            let routed = self.route_tools(&mut call, policy.router_top_k).await;
+            if call.model == policy.cascade.model {
+                return self.cascade(call, arrived, deadline, routed, &policy).await;
+            }
+            let p = prepare(&call, routed.as_ref())?;
+            let mut tier = self.find_tier_waiting(&call.model, deadline).await?;
+            let permit = self.permit()?;
+            let prompt = self
+                .tokenize(&mut tier, &call.model, p.prompt_text.clone())
+                .instrument(info_span!("tokenize"))
+                .await?;
+            // With the prompt known, prefer a node that holds its prefix pages.
+            let tier = self
+                .inner
+                .dispatcher
+                .route_prompt(&call.model, &prompt, &p.scope)
+                .await
+                .unwrap_or(tier);
+            tracing::Span::current().record("gen_ai.usage.input_tokens", prompt.len());
+            let role = RequestRole::classify(!p.shown.is_empty(), call.reasoning_budget);
+            let (tier, engine, lease) =
+                self.engine_for(tier, &call.model, role, &policy.quantization);
+            let req = self
+                .build_request(&call, &p, prompt, tier.max_seq_len(), &policy, role)
+                .await?;
+            let job = Job {
+                model: call.model.clone(),
+                req,
+                engine,
+                lease,
+                role,
+            };
+            let rx = self
+                .submit(tier, &job, deadline)
+                .instrument(info_span!("tier.submit"))
+                .await?;
+            Ok(job.reply(self, rx, Some(permit), routed, arrived))
+        }
+        .instrument(span)
+        .await
+    }
+
+    /// A raw completion.
+    pub async fn complete(&self, call: CompleteCall) -> Result<Reply, Error> {
+        let arrived = Instant::now();
+        let deadline = self.deadline();
+        let span = info_span!("gateway.completions", gen_ai.request.model = %call.model, gen_ai.operation.name = "text_completion");
+        async move {
+            let mut tier = self.find_tier_waiting(&call.model, deadline).await?;
+            let permit = self.permit()?;
+            let prompt = match call.prompt {
+                Prompt::Text(s) => self.tokenize(&mut tier, &call.model, s).await?,
+                Prompt::Tokens(t) => t,
+            };
+            let tier = self
+                .inner
+                .dispatcher
+                .route_prompt(&call.model, &prompt, "")
+                .await
+                .unwrap_or(tier);
+            let role = RequestRole::Summaries;
+            let (tier, engine, lease) =
+                self.engine_for(tier, &call.model, role, &self.policy().quantization);
+            let max_tokens = budget(
+                self.settings().default_max_tokens,
+                tier.max_seq_len(),
+                prompt.len(),
+                call.max_tokens,
+            )?;
+            let req = GenerateRequest {
+                prompt,
+                max_tokens,
+                sampling: sampling(&call.sampling)?,
+                stop: call.stop,
+                ignore_eos: call.ignore_eos,
+                ..Default::default()
+            };
+            let job = Job {
+                model: call.model.clone(),
+                req,
+                engine,
+                lease,
+                role,
+            };
+            let rx = self.submit(tier, &job, deadline).await?;
+            Ok(job.reply(self, rx, Some(permit), None, arrived))
+        }
+        .instrument(span)
+        .await
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    fn tools() -> Vec<ToolSpec> {
+        vec![ToolSpec {
+            name: "f".into(),
+            description: String::new(),
+            parameters: json!({"type": "object"}),
+        }]
+    }
+
+    #[test]
+    fn tool_choice_none_hides_tools() {
+        let (shown, g) = tool_plan(tools(), &ToolChoice::None).unwrap();
+        assert!(shown.is_empty() && g.is_none());
+    }
+
+    #[test]
+    fn auto_offers_tools_under_a_lazy_grammar() {
+        let (shown, g) = tool_plan(tools(), &ToolChoice::Unset).unwrap();
+        assert_eq!(shown.len(), 1);
+        assert!(g.unwrap().1, "auto uses a lazy grammar");
+    }
+
+    #[test]
+    fn a_named_tool_is_forced() {
+        let (_, g) = tool_plan(tools(), &ToolChoice::Named("f".into())).unwrap();
+        assert!(!g.unwrap().1);
+    }
+
+    #[test]
+    fn naming_a_tool_not_offered_is_refused_on_tool_choice() {
+        let e = tool_plan(tools(), &ToolChoice::Named("zzz".into())).unwrap_err();
+        assert_eq!(e.param.as_deref(), Some("tool_choice"));
+    }
+
+    #[test]
+    fn the_budget_fits_the_context() {
+        assert_eq!(budget(100, 50, 10, None).unwrap(), 40);
+        assert_eq!(budget(100, 500, 10, Some(7)).unwrap(), 7);
+        assert_eq!(
+            budget(100, 50, 10, Some(41)).unwrap_err().kind,
+            super::super::Kind::ContextLengthExceeded
+        );
+        assert_eq!(
+            budget(100, 50, 10, Some(0)).unwrap_err().param.as_deref(),
+            Some("max_tokens")
+        );
+    }
+}

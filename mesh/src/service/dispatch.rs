@@ -1,0 +1,569 @@
+//! Where a request runs, and keeping it running: the node for a tier (this node's engine or
+//! a peer's, by load and by the prompt's prefix pages), the prefix pages a node pulls from a
+//! peer before its tier runs, and the token stream relayed across failures.
+//!
+//! **Failover.** When the serving node is lost (stream error, connection closed) or a local
+//! engine stops, the request is re-run on the next best node with the same prompt,
+//! sampling and seed; the re-run's first *n* tokens, already sent, are skipped, so the
+//! caller sees one stream with the tokens it would have had. When no other node hosts the
+//! tier and this node does, the request waits for the local engine's restart (bounded by
+//! its deadline) instead of failing: a crashed engine on a single node delays its requests,
+//! it does not drop them.
+
+use std::collections::HashSet;
+use std::sync::atomic::Ordering::Relaxed;
+use std::sync::Arc;
+use std::time::Duration;
+
+use mesh_actors::engines::{Engines, TierEntry};
+use mesh_actors::pagestore::{PageStores, StoreMsg};
+use mesh_actors::routing::{self, Candidate};
+use mesh_actors::tier::{self as tier_wire, TierMsg};
+use mesh_actors::wire::{ErrorClass, Event};
+use mesh_actors::{CallError, Cluster, InflightGuard};
+use mesh_control::policy::Role;
+use mesh_kvstore::PageId;
+use mesh_tiers::{GenerateRequest, TierError, TokenEvent};
+use tokio::sync::mpsc;
+use tokio::time::Instant;
+use tracing::warn;
+
+/// Most nodes one request is tried on before the caller gets an error.
+pub const MAX_ATTEMPTS: usize = 4;
+
+/// Where a request runs.
+#[derive(Debug, Clone)]
+pub enum Target {
+    /// A tier actor of this node.
+    Local(TierEntry),
+    /// A tier on a peer.
+    Remote {
+        /// Peer name.
+        node: String,
+        /// Per-sequence context of that tier.
+        max_seq_len: usize,
+    },
+}
+
+impl Target {
+    /// Per-sequence context limit.
+    pub fn max_seq_len(&self) -> usize {
+        match self {
+            Target::Local(e) => e.desc.info.max_seq_len,
+            Target::Remote { max_seq_len, .. } => *max_seq_len,
+        }
+    }
+}
+
+/// Why no target could be chosen.
+#[derive(Debug, Clone)]
+pub enum RouteError {
+    /// No node (local or remote) knows this tier name.
+    Unknown(Vec<String>),
+    /// The tier exists (configured here or seen in the cluster) but no live node can take it now.
+    NoneAvailable,
+}
+
+/// Why a start failed.
+#[derive(Debug)]
+pub enum StartError {
+    /// A local tier refused.
+    Tier(TierError),
+    /// A remote call failed.
+    Call(CallError),
+}
+
+impl StartError {
+    fn retryable(&self) -> bool {
+        match self {
+            StartError::Tier(e) => matches!(e, TierError::EngineStopped),
+            StartError::Call(e) => {
+                e.retryable()
+                    && !matches!(e, CallError::Remote(r) if r.class == ErrorClass::Overloaded)
+            }
+        }
+    }
+}
+
+enum Source {
+    Local(mpsc::UnboundedReceiver<TokenEvent>),
+    Remote(mpsc::UnboundedReceiver<Result<Event, CallError>>),
+}
+
+impl Source {
+    /// Next event; `Err` when the run broke (engine stopped, node lost).
+    async fn next(&mut self) -> Result<TokenEvent, String> {
+        match self {
+            Source::Local(rx) => match rx.recv().await {
+                Some(TokenEvent::Error(e)) => Err(e),
+                Some(ev) => Ok(ev),
+                None => Err("the tier stopped before finishing".into()),
+            },
+            Source::Remote(rx) => match rx.recv().await {
+                Some(Ok(Event::Error(e))) => Err(e),
+                Some(Ok(ev)) => Ok(tier_wire::from_wire(ev)),
+                Some(Err(e)) => Err(e.to_string()),
+                None => Err("the remote stream ended before finishing".into()),
+            },
+        }
+    }
+}
+
+/// Routing over this node's engines and the cluster.
+#[derive(Debug, Clone)]
+pub struct Dispatcher {
+    /// This node's engines.
+    pub engines: Engines,
+    /// This node's page stores.
+    pub pages: PageStores,
+    /// The cluster, when this node is in one.
+    pub cluster: Option<Cluster>,
+    /// Longest a request waits for this node's restarting engine.
+    pub restart_wait: Duration,
+}
+
+impl Dispatcher {
+    fn me(&self) -> &str {
+        self.cluster.as_ref().map(|c| c.name()).unwrap_or("local")
+    }
+
+    /// Every tier name this node can route to.
+    pub fn tier_names(&self) -> Vec<String> {
+        let mut names: Vec<String> = self
+            .engines
+            .registry()
+            .iter()
+            .map(|e| e.key().clone())
+            .collect();
+        if let Some(c) = &self.cluster {
+            names.extend(c.remote_tier_names());
+        }
+        names.sort();
+        names.dedup();
+        names
+    }
+
+    fn candidates(&self, model: &str) -> (Vec<Candidate>, Option<TierEntry>) {
+        let mut cands = vec![];
+        let local = self.engines.get(model);
+        if let Some(e) = &local {
+            let s = &e.desc.stats;
+            cands.push(Candidate {
+                node: self.me().to_owned(),
+                local: true,
+                active: s.active.load(Relaxed) as u32,
+                queued: s.queued.load(Relaxed) as u32,
+                n_seq_max: e.desc.info.n_seq_max as u32,
+                inflight: 0,
+                cached_tokens: 0,
+                prompt_tokens: 0,
+            });
+        }
+        if let Some(c) = &self.cluster {
+            cands.extend(c.candidates(model));
+        }
+        (cands, local)
+    }
+
+    fn resolve(
+        &self,
+        model: &str,
+        cands: &[Candidate],
+        local: Option<TierEntry>,
+        exclude: &[String],
+    ) -> Result<Target, RouteError> {
+        match routing::pick(cands, exclude) {
+            Some(c) if c.local => Ok(Target::Local(local.expect("local candidate has an entry"))),
+            Some(c) => {
+                let cluster = self
+                    .cluster
+                    .as_ref()
+                    .expect("remote candidate has a cluster");
+                let adv = cluster
+                    .remote_tier(&c.node, model)
+                    .ok_or(RouteError::NoneAvailable)?;
+                Ok(Target::Remote {
+                    node: c.node.clone(),
+                    max_seq_len: adv.max_seq_len as usize,
+                })
+            }
+            None if self.engines.hosts(model)
+                || !cands.is_empty()
+                || !exclude.is_empty()
+                || self.cluster.as_ref().is_some_and(|c| c.ever_hosted(model)) =>
+            {
+                Err(RouteError::NoneAvailable)
+            }
+            None => Err(RouteError::Unknown(self.tier_names())),
+        }
+    }
+
+    /// Picks the node for `model` by load, skipping `exclude`.
+    pub fn route(&self, model: &str, exclude: &[String]) -> Result<Target, RouteError> {
+        let (cands, local) = self.candidates(model);
+        self.resolve(model, &cands, local, exclude)
+    }
+
+    /// [`route`](Self::route); when nothing can take `model` now but this node hosts it
+    /// (its engine is restarting), waits up to `wait` for the engine to be back.
+    ///
+    /// Cancel safety: cancel-safe.
+    pub async fn route_or_wait(&self, model: &str, wait: Duration) -> Result<Target, RouteError> {
+        match self.route(model, &[]) {
+            Err(RouteError::NoneAvailable) if self.engines.hosts(model) => self
+                .engines
+                .wait_for(model, wait, None)
+                .await
+                .map(Target::Local)
+                .ok_or(RouteError::NoneAvailable),
+            r => r,
+        }
+    }
+
+    /// Picks the node for a tokenized prompt by load and by how much of its prefix each node
+    /// holds as KV pages (`routing::score`); `None` when no node can take it now.
+    ///
+    /// Cancel safety: cancel-safe.
+    pub async fn route_prompt(&self, model: &str, prompt: &[i32], scope: &str) -> Option<Target> {
+        let (mut cands, local) = self.candidates(model);
+        let usable = &prompt[..prompt.len().saturating_sub(1)];
+        // Page ids from the local tier, else from a peer's advertised salt base.
+        let adverts = self
+            .cluster
+            .as_ref()
+            .map(|c| c.tier_adverts(model))
+            .unwrap_or_default();
+        let params = local
+            .as_ref()
+            .and_then(|e| e.desc.pages.as_ref().map(|p| (p.base, p.block)))
+            .or_else(|| {
+                adverts.iter().find_map(|(_, t)| {
+                    let base: [u8; 32] = t.page_base.as_slice().try_into().ok()?;
+                    (t.page_block > 0)
+                        .then_some((mesh_kvstore::SaltBase(base), t.page_block as usize))
+                })
+            });
+        if let Some((base, block)) = params {
+            let ids = mesh_kvstore::chain(&base.salt(scope), usable, block);
+            let local_run = if local.as_ref().is_some_and(|e| e.desc.pages.is_some()) {
+                self.stored_run(model, &ids).await
+            } else {
+                0
+            };
+            for c in &mut cands {
+                c.prompt_tokens = prompt.len() as u32;
+                let run = if c.local {
+                    local_run
+                } else {
+                    adverts
+                        .iter()
+                        .find(|(n, t)| {
+                            n == &c.node && t.page_base == base.0 && t.page_block as usize == block
+                        })
+                        .map(|(_, t)| {
+                            let held: HashSet<u64> = t.pages.iter().copied().collect();
+                            ids.iter()
+                                .take_while(|id| held.contains(&id.short()))
+                                .count()
+                        })
+                        .unwrap_or(0)
+                };
+                c.cached_tokens = (run * block) as u32;
+            }
+        }
+        self.resolve(model, &cands, local, &[]).ok()
+    }
+
+    /// Leading pages of `ids` this node's store holds for `model`.
+    async fn stored_run(&self, model: &str, ids: &[PageId]) -> usize {
+        let held = self
+            .pages
+            .call(|reply| StoreMsg::Held {
+                ns: model.to_owned(),
+                ids: ids.to_vec(),
+                reply,
+            })
+            .await
+            .unwrap_or_default();
+        held.iter().take_while(|h| **h).count()
+    }
+
+    /// Tokenizes with the target's tokenizer.
+    ///
+    /// Cancel safety: cancel-safe.
+    pub async fn tokenize(
+        &self,
+        target: &Target,
+        model: &str,
+        text: String,
+    ) -> Result<Vec<i32>, String> {
+        match target {
+            Target::Local(e) => ractor::call!(e.actor, |reply| TierMsg::Tokenize { text, reply })
+                .map_err(|e| format!("tier unavailable: {e}")),
+            Target::Remote { node, .. } => self
+                .cluster
+                .as_ref()
+                .expect("remote target has a cluster")
+                .tokenize(node, model, &text)
+                .await
+                .map_err(|e| e.to_string()),
+        }
+    }
+
+    async fn start(
+        &self,
+        target: &Target,
+        model: &str,
+        req: &GenerateRequest,
+        role: Role,
+        deadline: Instant,
+    ) -> Result<(Source, Option<InflightGuard>), StartError> {
+        match target {
+            Target::Local(e) => {
+                prefetch(self, model, &req.prompt, &req.cache_scope).await;
+                let req = req.clone();
+                match ractor::call!(e.actor, |reply| TierMsg::Generate { req, reply }) {
+                    Ok(Ok(rx)) => Ok((Source::Local(rx), None)),
+                    Ok(Err(e)) => Err(StartError::Tier(e)),
+                    Err(_) => Err(StartError::Tier(TierError::EngineStopped)),
+                }
+            }
+            Target::Remote { node, .. } => {
+                let cluster = self.cluster.as_ref().expect("remote target has a cluster");
+                let guard = cluster.track(node, model);
+                let left = deadline.saturating_duration_since(Instant::now());
+                let call = tier_wire::to_call(
+                    model,
+                    req,
+                    left,
+                    role.as_str(),
+                    crate::telemetry::inject_context(),
+                );
+                let rx = cluster
+                    .generate(node, call)
+                    .await
+                    .map_err(StartError::Call)?;
+                Ok((Source::Remote(rx), Some(guard)))
+            }
+        }
+    }
+
+    fn node_of(&self, t: &Target) -> String {
+        match t {
+            Target::Local(_) => self.me().to_owned(),
+            Target::Remote { node, .. } => node.clone(),
+        }
+    }
+
+    /// The next node for a request whose run on `failed` did not work: another node hosting
+    /// the tier, or, when none can take it and this node hosts it, this node's engine once
+    /// it is back (waiting until `deadline`).
+    async fn next_target(
+        &self,
+        model: &str,
+        failed: &Target,
+        exclude: &mut Vec<String>,
+        deadline: Instant,
+    ) -> Option<Target> {
+        if exclude.len() < MAX_ATTEMPTS {
+            if let Ok(t) = self.route(model, exclude) {
+                return Some(t);
+            }
+        }
+        let Target::Local(dead) = failed else {
+            return None;
+        };
+        let left = deadline
+            .saturating_duration_since(Instant::now())
+            .min(self.restart_wait);
+        let back = self
+            .engines
+            .wait_for(model, left, Some(dead.actor.get_id()))
+            .await?;
+        let me = self.me().to_owned();
+        exclude.retain(|n| n != &me);
+        Some(Target::Local(back))
+    }
+
+    /// Starts `req` on `first` (or, if it refuses with a retryable error, on the next node)
+    /// and returns the token stream. If the serving node is lost mid-stream the request is
+    /// re-run elsewhere (or on this node's restarted engine) and the stream continues where
+    /// it was. Gives up at `deadline`.
+    ///
+    /// Cancel safety: cancel-safe before it returns; afterwards dropping the receiver
+    /// cancels the run.
+    pub async fn dispatch(
+        self: Arc<Self>,
+        first: Target,
+        model: String,
+        req: GenerateRequest,
+        role: Role,
+        deadline: Instant,
+    ) -> Result<mpsc::UnboundedReceiver<TokenEvent>, StartError> {
+        let mut exclude: Vec<String> = vec![];
+        let mut target = first;
+        let (mut src, mut guard) = loop {
+            match self.start(&target, &model, &req, role, deadline).await {
+                Ok(s) => break s,
+                Err(e) if e.retryable() => {
+                    let node = self.node_of(&target);
+                    warn!(%node, tier = %model, error = ?e, "start failed; trying another node");
+                    exclude.push(node);
+                    target = match self
+                        .next_target(&model, &target, &mut exclude, deadline)
+                        .await
+                    {
+                        Some(t) => t,
+                        None => return Err(e),
+                    };
+                }
+                Err(e) => return Err(e),
+            }
+        };
+        let (tx, rx) = mpsc::unbounded_channel();
+        let me = self.clone();
+        tokio::spawn(async move {
+            let mut delivered = 0usize;
+            let mut skip = 0usize;
+            let mut rerun = false;
+            loop {
+                match src.next().await {
+                    Ok(ev) => {
+                        match &ev {
+                            TokenEvent::Started { .. } if rerun => continue,
+                            TokenEvent::Token { .. } if skip > 0 => {
+                                skip -= 1;
+                                continue;
+                            }
+                            TokenEvent::Token { .. } => delivered += 1,
+                            _ => {}
+                        }
+                        let last = matches!(ev, TokenEvent::Done { .. });
+                        if tx.send(ev).is_err() || last {
+                            return;
+                        }
+                    }
+                    Err(why) => {
+                        if tx.is_closed() {
+                            return;
+                        }
+                        let node = me.node_of(&target);
+                        warn!(%node, tier = %model, delivered, reason = %why, "serving node failed; re-running");
+                        exclude.push(node);
+                        drop(guard.take());
+                        let mut restarted = false;
+                        let mut failed = target.clone();
+                        while let Some(t) = me
+                            .next_target(&model, &failed, &mut exclude, deadline)
+                            .await
+                        {
+                            match me.start(&t, &model, &req, role, deadline).await {
+                                Ok((s, g)) => {
+                                    target = t;
+                                    src = s;
+                                    guard = g;
+                                    restarted = true;
+                                    break;
+                                }
+                                Err(e) => {
+                                    warn!(node = %me.node_of(&t), error = ?e, "re-run refused");
+                                    exclude.push(me.node_of(&t));
+                                    failed = t;
+                                }
+                            }
+                        }
+                        if !restarted {
+                            let _ = tx.send(TokenEvent::Error(format!(
+                                "the node serving this request failed ({why}) and no node hosting `{model}` could take it in time"
+                            )));
+                            return;
+                        }
+                        skip = delivered;
+                        rerun = true;
+                    }
+                }
+            }
+        });
+        Ok(rx)
+    }
+}
+
+/// Pulls the leading prefix pages of `prompt` that this node lacks from the live peer
+/// advertising the longest run of them; returns how many pages were stored. Fetched pages are
+/// checked against their ids and salt by the store before they are kept. Traced as
+/// `kv.lookup`: pages of the prompt, how many are local, how many were pulled and from
+/// which peer.
+#[tracing::instrument(name = "kv.lookup", skip_all, fields(gen_ai.request.model = %model,
+    mesh.kv.pages = tracing::field::Empty, mesh.kv.pages_local = tracing::field::Empty,
+    mesh.kv.pages_pulled = tracing::field::Empty, mesh.kv.peer = tracing::field::Empty))]
+pub async fn prefetch(d: &Dispatcher, model: &str, prompt: &[i32], scope: &str) -> usize {
+    let Some(cluster) = d.cluster.as_ref() else {
+        return 0;
+    };
+    let Some(pages) = d.engines.get(model).and_then(|e| e.desc.pages.clone()) else {
+        return 0;
+    };
+    let usable = prompt.len().saturating_sub(1);
+    let (salt, ids) = pages.chain(&prompt[..usable], scope);
+    let local = d.stored_run(model, &ids).await;
+    let span = tracing::Span::current();
+    span.record("mesh.kv.pages", ids.len());
+    span.record("mesh.kv.pages_local", local);
+    if local == ids.len() {
+        return 0;
+    }
+    let base = pages.base.0.to_vec();
+    let run_of = |held: &[u64]| {
+        let held: HashSet<u64> = held.iter().copied().collect();
+        ids.iter()
+            .take_while(|id| held.contains(&id.short()))
+            .count()
+    };
+    // Peers serving the tier, and store nodes keeping its pages.
+    let tier_peers = cluster
+        .tier_adverts(model)
+        .into_iter()
+        .filter(|(_, t)| t.page_base == base && t.page_block as usize == pages.block)
+        .map(|(n, t)| (n, run_of(&t.pages)));
+    let store_peers = cluster
+        .store_pages(model)
+        .into_iter()
+        .filter(|(_, p)| p.base == base && p.block as usize == pages.block)
+        .map(|(n, p)| (n, run_of(&p.ids)));
+    let best = tier_peers
+        .chain(store_peers)
+        .filter(|(_, run)| *run > local)
+        .max_by_key(|(_, run)| *run);
+    let Some((node, run)) = best else { return 0 };
+    span.record("mesh.kv.peer", node.as_str());
+    let want: Vec<[u8; 32]> = ids[local..run].iter().map(|i| i.0).collect();
+    let t0 = std::time::Instant::now();
+    match cluster.fetch_pages(&node, model, salt.0, want).await {
+        Ok(got) => {
+            // Keep the pulled pages that continue the prefix, in order.
+            let pulled: Vec<(PageId, bytes::Bytes)> = got
+                .into_iter()
+                .zip(&ids[local..])
+                .take_while(|((id, _), expect)| *id == expect.0)
+                .map(|((id, stored), _)| (PageId(id), bytes::Bytes::from(stored)))
+                .collect();
+            let n = d
+                .pages
+                .call(|reply| StoreMsg::PutStored {
+                    ns: model.to_owned(),
+                    salt,
+                    pages: pulled.clone(),
+                    reply,
+                })
+                .await
+                .unwrap_or(0);
+            span.record("mesh.kv.pages_pulled", n);
+            tracing::debug!(%node, tier = %model, pages = n, ms = t0.elapsed().as_millis() as u64, "pulled prefix pages from a peer");
+            n
+        }
+        Err(e) => {
+            warn!(%node, tier = %model, error = %e, "pulling prefix pages failed; prefilling instead");
+            0
+        }
+    }
+}

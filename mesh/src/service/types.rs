@@ -1,0 +1,241 @@
+//! The typed values the service layer takes and gives: what a chat or completion call asks
+//! for ([`ChatCall`], [`CompleteCall`]), what comes back ([`Reply`], [`Completion`]) and
+//! what mesh says about how it served it ([`MeshInfo`]). The HTTP layer translates OpenAI's
+//! JSON to and from these; the agent loop and the tuner's probes use them directly.
+
+use mesh_tiers::chat::{ChatMessage, ParsedOutput, ToolSpec};
+use mesh_tiers::{FinishReason, TokenEvent, Usage};
+use serde::{Deserialize, Serialize};
+
+pub use mesh_actors::engines::EngineInfo;
+pub use mesh_actors::router::Routed as RouterInfo;
+
+/// Which tool calls a request allows.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub enum ToolChoice {
+    /// Not set: `auto` when tools are offered.
+    #[default]
+    Unset,
+    /// The model may call a tool or answer.
+    Auto,
+    /// The model may not call tools (the prompt shows none).
+    None,
+    /// The model must call one of the tools.
+    Required,
+    /// The model must call this tool.
+    Named(String),
+}
+
+/// Sampling as the caller asked for it (checked by the service).
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct Sampling {
+    /// Temperature, 0..=2 (unset: greedy).
+    pub temperature: Option<f32>,
+    /// Nucleus mass, (0, 1].
+    pub top_p: Option<f32>,
+    /// Top-k, 0 = off.
+    pub top_k: Option<i32>,
+    /// Seed.
+    pub seed: Option<u64>,
+}
+
+/// A chat completion call.
+#[derive(Debug, Clone, Default)]
+pub struct ChatCall {
+    /// A tier name or the cascade's model id.
+    pub model: String,
+    /// The conversation so far.
+    pub messages: Vec<ChatMessage>,
+    /// Tools the model may call.
+    pub tools: Vec<ToolSpec>,
+    /// Which tool calls are allowed.
+    pub tool_choice: ToolChoice,
+    /// Completion budget (unset: the node's default, within the context).
+    pub max_tokens: Option<usize>,
+    /// Sampling.
+    pub sampling: Sampling,
+    /// Stop strings.
+    pub stop: Vec<String>,
+    /// Thinking-token cap the caller asks for (unset: the governor decides).
+    pub reasoning_budget: Option<usize>,
+    /// Keep generating past end-of-generation (benchmarks).
+    pub ignore_eos: bool,
+}
+
+/// A raw prompt.
+#[derive(Debug, Clone)]
+pub enum Prompt {
+    /// Text, tokenized by the tier.
+    Text(String),
+    /// Token ids.
+    Tokens(Vec<i32>),
+}
+
+/// A raw completion call (`/v1/completions`).
+#[derive(Debug, Clone)]
+pub struct CompleteCall {
+    /// Tier name.
+    pub model: String,
+    /// The prompt.
+    pub prompt: Prompt,
+    /// Completion budget.
+    pub max_tokens: Option<usize>,
+    /// Sampling.
+    pub sampling: Sampling,
+    /// Stop strings.
+    pub stop: Vec<String>,
+    /// Keep generating past end-of-generation.
+    pub ignore_eos: bool,
+}
+
+/// One tier attempt of a cascade request.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Default)]
+pub struct CascadeStep {
+    /// Tier.
+    pub tier: String,
+    /// `accept`, `last_tier`, or why the answer was passed on.
+    pub verdict: String,
+    /// Smallest logit margin over the tier's tokens.
+    pub min_margin: Option<f32>,
+    /// Tokens the tier generated.
+    pub completion_tokens: usize,
+}
+
+/// Speculative decoding of one response (a draft model proposed, the tier verified).
+#[derive(Debug, Clone, Copy, Serialize, Deserialize, PartialEq, Default)]
+pub struct SpecInfo {
+    /// Tokens the draft model proposed.
+    pub draft_tokens: usize,
+    /// Proposed tokens the tier accepted.
+    pub accepted_tokens: usize,
+}
+
+impl SpecInfo {
+    /// The draft counts of a finished generation; none when nothing was drafted.
+    pub fn of(u: &Usage) -> Option<Self> {
+        (u.draft_tokens > 0).then_some(Self {
+            draft_tokens: u.draft_tokens,
+            accepted_tokens: u.draft_accepted,
+        })
+    }
+}
+
+/// How mesh served a response (`mesh` in response bodies).
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Default)]
+pub struct MeshInfo {
+    /// Tier that produced the answer.
+    pub tier: String,
+    /// Milliseconds waiting for an engine slot.
+    pub queued_ms: u64,
+    /// The reasoning governor closed the think block.
+    #[serde(default)]
+    pub reasoning_capped: bool,
+    /// Cascade requests: every tier tried, in order, and its verdict.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub cascade: Vec<CascadeStep>,
+    /// Requests whose tools were routed: what the router kept.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub router: Option<RouterInfo>,
+    /// Requests decoded speculatively: drafted and accepted tokens.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub speculative: Option<SpecInfo>,
+    /// The local engine that produced the answer (quantization policy); absent when a
+    /// peer served it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub engine: Option<EngineInfo>,
+}
+
+/// A finished completion.
+#[derive(Debug, Clone)]
+pub struct Completion {
+    /// The model the caller asked for (a tier or the cascade).
+    pub model: String,
+    /// Generated text (special tokens as text, end token excluded).
+    pub text: String,
+    /// The text split into reasoning, content and tool calls.
+    pub output: ParsedOutput,
+    /// Why generation stopped.
+    pub finish: FinishReason,
+    /// Tokens (a cascade's: every tier it tried).
+    pub usage: Usage,
+    /// How mesh served it.
+    pub mesh: MeshInfo,
+    /// Per-token logit margins (top-1 minus top-2 probability).
+    pub margins: Vec<f32>,
+    /// Every event in order (a cascade replays the kept answer's).
+    pub events: Vec<TokenEvent>,
+}
+
+/// A generation under way: its token events, and what mesh knew when it started.
+pub struct Reply {
+    /// The model the caller asked for.
+    pub model: String,
+    /// Tier, router and engine (queue time, draft counts and the governor's cap are set by
+    /// [`Reply::collect`]).
+    pub mesh: MeshInfo,
+    pub(crate) events: super::stream::Timed,
+    /// Held until the reply is dropped: the concurrency permit, a variant engine's lease.
+    pub(crate) _hold: super::Hold,
+}
+
+impl std::fmt::Debug for Reply {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Reply").field("model", &self.model).finish()
+    }
+}
+
+impl Reply {
+    /// The next event; `None` after the last. Dropping the reply cancels the generation.
+    ///
+    /// Cancel safety: cancel-safe.
+    pub async fn next(&mut self) -> Option<TokenEvent> {
+        self.events.next().await
+    }
+
+    /// Reads the whole generation.
+    pub async fn collect(mut self) -> Result<Completion, super::Error> {
+        let mut text = String::new();
+        let mut margins = Vec::new();
+        let mut events = Vec::new();
+        while let Some(ev) = self.events.next().await {
+            events.push(ev.clone());
+            match ev {
+                TokenEvent::Started { queued_ms } => self.mesh.queued_ms = queued_ms,
+                TokenEvent::Token {
+                    text: piece,
+                    margin,
+                    ..
+                } => {
+                    text.push_str(&piece);
+                    margins.push(margin);
+                }
+                TokenEvent::Done {
+                    finish,
+                    usage,
+                    tail,
+                } => {
+                    text.push_str(&tail);
+                    let mut mesh = self.mesh;
+                    mesh.reasoning_capped = usage.reasoning_capped;
+                    mesh.speculative = SpecInfo::of(&usage);
+                    return Ok(Completion {
+                        model: self.model,
+                        output: mesh_tiers::chat::parse_output(&text),
+                        text,
+                        finish,
+                        usage,
+                        mesh,
+                        margins,
+                        events,
+                    });
+                }
+                TokenEvent::Error(e) => {
+                    return Err(super::Error::unavailable(format!("generation failed: {e}")))
+                }
+            }
+        }
+        Err(super::Error::unavailable(
+            "the tier stopped before finishing",
+        ))
+    }
+}
