@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Fetch the Berkeley Function-Calling Leaderboard data for the tool-router evaluation
-# (control/examples/bfcl_router.rs) and print the data folder on stdout.
+# (evals/examples/bfcl_router.rs) and print the data folder on stdout.
 #
 #   bash scripts/fetch-bfcl.sh
 #

@@ -175,6 +175,8 @@ pub struct MemberView {
     pub roles: Vec<String>,
     /// Actors peers may call on it.
     pub actors: Vec<String>,
+    /// Pages its store keeps for peers (a store node), by namespace (capped as adverts are).
+    pub stored_pages: Vec<(String, usize)>,
     /// Seconds since the node's process started.
     pub uptime_s: u64,
     /// Milliseconds since its last heartbeat (0 for this node).
@@ -1092,6 +1094,11 @@ impl Cluster {
             quic_addr: self.inner.quic_addr.clone(),
             http_addr: self.inner.cfg.http_addr.clone(),
             state: "alive",
+            stored_pages: local
+                .pages
+                .iter()
+                .map(|p| (p.ns.clone(), p.ids.len()))
+                .collect(),
             tiers: local.tiers,
             roles: self.inner.roles.clone(),
             actors: self.inner.exports.names(),
@@ -1100,21 +1107,29 @@ impl Cluster {
         };
         let m = self.inner.members.lock().expect("members");
         std::iter::once(me)
-            .chain(m.all().map(|p| MemberView {
-                node: p.advert.node.clone(),
-                local: false,
-                quic_addr: p.advert.quic_addr.clone(),
-                http_addr: p.advert.http_addr.clone(),
-                state: match p.state {
-                    PeerState::Alive => "alive",
-                    PeerState::Dead => "dead",
-                    PeerState::Left => "left",
-                },
-                tiers: p.advert.tiers.clone(),
-                roles: p.advert.roles.clone(),
-                actors: p.advert.actors.clone(),
-                uptime_s: now.saturating_sub(p.advert.started_ms) / 1000,
-                last_seen_ms: p.last_seen.elapsed().as_millis() as u64,
+            .chain(m.all().map(|p| {
+                MemberView {
+                    node: p.advert.node.clone(),
+                    local: false,
+                    quic_addr: p.advert.quic_addr.clone(),
+                    http_addr: p.advert.http_addr.clone(),
+                    state: match p.state {
+                        PeerState::Alive => "alive",
+                        PeerState::Dead => "dead",
+                        PeerState::Left => "left",
+                    },
+                    tiers: p.advert.tiers.clone(),
+                    roles: p.advert.roles.clone(),
+                    actors: p.advert.actors.clone(),
+                    stored_pages: p
+                        .advert
+                        .pages
+                        .iter()
+                        .map(|n| (n.ns.clone(), n.ids.len()))
+                        .collect(),
+                    uptime_s: now.saturating_sub(p.advert.started_ms) / 1000,
+                    last_seen_ms: p.last_seen.elapsed().as_millis() as u64,
+                }
             }))
             .collect()
     }

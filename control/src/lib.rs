@@ -17,8 +17,7 @@
 //! Also here: the host's topology ([`topology`], hwloc) and the placement of tier threads
 //! on its cores ([`placement`]); page memory on far NUMA nodes for the KV page store
 //! ([`farmem`]); the tuner's rules ([`tuner`]), statistical gate
-//! ([`gate`]), knobs and policy state file ([`policy`]), and A/B probe windows on a real
-//! engine ([`trial`]) (`docs/tuner.md`).
+//! ([`gate`]), knobs and policy state file ([`policy`]) (`docs/tuner.md`).
 //!
 //! On a node the tuner actor (`mesh-actors`) runs these decisions; `mesh/src/http/control.rs` serves them.
 
@@ -34,7 +33,6 @@ pub mod policy;
 pub mod router;
 pub mod spec_tools;
 pub mod topology;
-pub mod trial;
 pub mod tuner;
 
 pub use embed::{Embedder, EmbedderConfig};

@@ -33,3 +33,50 @@ pub mod telemetry;
 
 #[cfg(feature = "node")]
 pub use node::{serve, start, Running};
+
+#[cfg(all(test, feature = "node"))]
+mod layers {
+    use std::path::{Path, PathBuf};
+
+    fn sources(dir: &Path) -> Vec<PathBuf> {
+        let mut out = vec![];
+        for e in std::fs::read_dir(dir).expect("source folder").flatten() {
+            let p = e.path();
+            if p.is_dir() {
+                out.extend(sources(&p));
+            } else if p.extension().is_some_and(|x| x == "rs") {
+                out.push(p);
+            }
+        }
+        out
+    }
+
+    /// `http` → `service`, `node` → both, never back: the service layer imports neither the
+    /// HTTP layer nor the node, and the HTTP layer does not import the node.
+    #[test]
+    fn layers_import_one_way() {
+        let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("src");
+        let mut wrong = vec![];
+        for (layer, forbidden) in [
+            ("service", &["crate::http", "crate::node", "axum"][..]),
+            ("http", &["crate::node"][..]),
+        ] {
+            for f in sources(&src.join(layer)) {
+                let text = std::fs::read_to_string(&f).expect("readable source");
+                for (i, line) in text.lines().enumerate() {
+                    let code = line.split("//").next().unwrap_or("");
+                    for bad in forbidden {
+                        if code.contains(bad) {
+                            wrong.push(format!("{}:{}: {}", f.display(), i + 1, line.trim()));
+                        }
+                    }
+                }
+            }
+        }
+        assert!(
+            wrong.is_empty(),
+            "imports against the layering:\n{}",
+            wrong.join("\n")
+        );
+    }
+}

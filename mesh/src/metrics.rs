@@ -679,6 +679,13 @@ impl Collector for NodeCollector {
                 (OutcomeLabel { outcome: "joined" }, pulls.joined.load(Relaxed)),
             ],
         )?;
+        family(
+            &mut enc,
+            "request_reruns",
+            "Requests re-run (on a peer, or on this node's restarted engine) after the engine or node serving them failed",
+            true,
+            &[(NoLabels {}, crate::service::dispatch::RERUNS.load(Relaxed))],
+        )?;
         if let Some(parts) = self.parts.get() {
             let restarts: Vec<_> = parts
                 .actors

@@ -57,6 +57,18 @@ impl Node {
         tiers: &str,
         extra: &[&str],
     ) -> Result<Node, String> {
+        Self::start_with_env(name, certs, seeds, tiers, extra, &[])
+    }
+
+    /// [`Node::start`] with extra environment variables.
+    pub fn start_with_env(
+        name: &str,
+        certs: &Path,
+        seeds: &[&str],
+        tiers: &str,
+        extra: &[&str],
+        env: &[(&str, &str)],
+    ) -> Result<Node, String> {
         let mut args: Vec<String> = [
             "join",
             "--name",
@@ -95,16 +107,17 @@ impl Node {
             args.push("--seeds".into());
             args.push(seeds.join(","));
         }
-        Self::spawn(&args, &log)
+        Self::spawn(&args, &log, env)
     }
 
     /// Runs `mesh ARGS` (stderr to `log`) until it prints its gateway address; `Err`
     /// carries the log if it exits first.
-    fn spawn(args: &[String], log: &Path) -> Result<Node, String> {
+    fn spawn(args: &[String], log: &Path, env: &[(&str, &str)]) -> Result<Node, String> {
         let mut child = Command::new(mesh_bin())
             .args(args)
             .current_dir(root())
             .env("RUST_LOG", "info")
+            .envs(env.iter().copied())
             .stdout(Stdio::piped())
             .stderr(std::fs::File::create(log).expect("log file"))
             .spawn()
@@ -138,10 +151,19 @@ impl Node {
     /// Starts a standalone `mesh up --port 0 ARGS` (log in `<log_dir>/up-<pid>.log`) and
     /// waits for its gateway; `Err` carries its log if it exits first.
     pub fn up(log_dir: &Path, args: &[&str]) -> Result<Node, String> {
+        Self::up_with_env(log_dir, args, &[])
+    }
+
+    /// [`Node::up`] with extra environment variables.
+    pub fn up_with_env(
+        log_dir: &Path,
+        args: &[&str],
+        env: &[(&str, &str)],
+    ) -> Result<Node, String> {
         let log = log_dir.join(format!("up-{}.log", std::process::id()));
         let mut all: Vec<String> = vec!["up".into(), "--port".into(), "0".into()];
         all.extend(args.iter().map(|s| s.to_string()));
-        Self::spawn(&all, &log)
+        Self::spawn(&all, &log, env)
     }
 
     /// The process id.

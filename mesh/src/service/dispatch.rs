@@ -31,6 +31,10 @@ use tracing::warn;
 /// Most nodes one request is tried on before the caller gets an error.
 pub const MAX_ATTEMPTS: usize = 4;
 
+/// Requests this process re-ran after the engine or node serving them failed (exported as
+/// `mesh_request_reruns_total`).
+pub static RERUNS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
 /// Where a request runs.
 #[derive(Debug, Clone)]
 pub enum Target {
@@ -408,6 +412,7 @@ impl Dispatcher {
                 Err(e) if e.retryable() => {
                     let node = self.node_of(&target);
                     warn!(%node, tier = %model, error = ?e, "start failed; trying another node");
+                    RERUNS.fetch_add(1, Relaxed);
                     exclude.push(node);
                     target = match self
                         .next_target(&model, &target, &mut exclude, deadline)
@@ -480,6 +485,7 @@ impl Dispatcher {
                         }
                         skip = delivered;
                         rerun = true;
+                        RERUNS.fetch_add(1, Relaxed);
                     }
                 }
             }

@@ -287,9 +287,9 @@ const FOLLOW_UP: &str = "<|end|><|user|>Thanks. Now do the same again, please.<|
 
 /// The user turn of a chat-formatted prompt (the whole prompt when it has none).
 fn user_message(prompt: &str) -> &str {
-    prompt
-        .split_once("<|user|>")
-        .map_or(prompt, |(_, rest)| rest.split_once("<|end|>").map_or(rest, |(u, _)| u))
+    prompt.split_once("<|user|>").map_or(prompt, |(_, rest)| {
+        rest.split_once("<|end|>").map_or(rest, |(u, _)| u)
+    })
 }
 
 #[tokio::main(flavor = "multi_thread", worker_threads = 2)]
@@ -316,7 +316,11 @@ async fn main() {
         .take(a.prompts)
         .enumerate()
         .map(|(i, t)| {
-            let text = if a.raw { user_message(&t.prompt) } else { &t.prompt };
+            let text = if a.raw {
+                user_message(&t.prompt)
+            } else {
+                &t.prompt
+            };
             let tools = mesh_tiers::eval::offered_tools(text);
             let grammar = (a.grammar && !tools.is_empty()).then(|| {
                 mesh_tiers::grammar::tool_call_grammar(&tools).expect("grammar for the tools")
@@ -388,7 +392,12 @@ async fn main() {
             } else {
                 String::new()
             };
-            let same = base.tokens.iter().zip(&r.tokens).filter(|(x, y)| x == y).count();
+            let same = base
+                .tokens
+                .iter()
+                .zip(&r.tokens)
+                .filter(|(x, y)| x == y)
+                .count();
             let ident = if r.drafted > 0 {
                 format!("{same} / {}", prompts.len() * a.turns)
             } else {

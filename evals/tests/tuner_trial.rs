@@ -3,7 +3,8 @@
 
 use mesh_control::gate::{Better, Metric, Verdict};
 use mesh_control::policy::{journal_path, Policy, PolicyState};
-use mesh_control::{trial, tuner};
+use mesh_control::tuner;
+use mesh_evals::trial;
 use mesh_tiers::eval;
 use mesh_tiers::{Engine, EngineConfig};
 

@@ -8,7 +8,7 @@
 //! per request can be tried here: `reasoning.default_budget`.
 //!
 //! ```text
-//! cargo run --release -p mesh-control --example tuner_trial -- \
+//! cargo run --release -p mesh-evals --example tuner_trial -- \
 //!     --state /tmp/policy.json --init reasoning.default_budget=64 \
 //!     --knob reasoning.default_budget --to 32 --objective latency_ms
 //! ```
@@ -19,7 +19,8 @@ use std::path::PathBuf;
 use clap::Parser;
 use mesh_control::gate::{Better, Metric};
 use mesh_control::policy::{Policy, PolicyState};
-use mesh_control::{trial, tuner};
+use mesh_control::tuner;
+use mesh_evals::trial;
 use mesh_tiers::eval::{self, Task};
 use mesh_tiers::{Engine, EngineConfig};
 

@@ -2,7 +2,7 @@
 //!
 //! ```sh
 //! bash scripts/fetch-bfcl.sh            # prints the data folder
-//! cargo run --release -p mesh-control --example bfcl_router -- --data DIR [--out report.json]
+//! cargo run --release -p mesh-evals --example bfcl_router -- --data DIR [--out report.json]
 //! ```
 //!
 //! Reports, for several router settings:

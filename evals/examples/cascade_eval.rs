@@ -2,7 +2,7 @@
 //! bundled held-out tasks (`docs/cascade.md`).
 //!
 //! ```text
-//! cargo run --release -p mesh-tiers --example cascade_eval -- \
+//! cargo run --release -p mesh-evals --example cascade_eval -- \
 //!     --eval models/fixtures/eval-heldout.jsonl --out target/cascade-eval.json --md docs/cascade-results.md
 //! ```
 //!

@@ -3,7 +3,7 @@
 //!
 //! ```text
 //! python3 models/recipe/evalset.py --n 100 --out models/fixtures/eval-heldout.jsonl
-//! cargo run --release -p mesh-tiers --example model_card -- \
+//! cargo run --release -p mesh-evals --example model_card -- \
 //!     --tiers t1,t2,t3 --eval models/fixtures/eval-heldout.jsonl --out models/card.json
 //! ```
 //!

@@ -8,7 +8,7 @@ use std::time::Instant;
 use mesh_tiers::eval::{self, Task};
 use mesh_tiers::{Engine, GenerateRequest, TokenEvent};
 
-use crate::gate::Samples;
+use mesh_control::gate::Samples;
 
 /// One probe request.
 struct Outcome {
