@@ -99,6 +99,8 @@ pub struct ChildView {
     pub running: bool,
     /// Restarts since the node started.
     pub restarts: u64,
+    /// How long the last restart took, from the failure to the new incarnation running.
+    pub last_restart_ms: Option<u64>,
 }
 
 /// Messages of [`NodeSupervisor`].
@@ -122,6 +124,10 @@ pub struct NodeState {
     specs: Vec<ChildSpec>,
     running: HashMap<ractor::ActorId, &'static str>,
     logs: HashMap<&'static str, RestartLog>,
+    /// When each child that is down failed.
+    down_since: HashMap<&'static str, Instant>,
+    /// How long each child's last restart took.
+    last_restart: HashMap<&'static str, std::time::Duration>,
 }
 
 impl NodeState {
@@ -137,6 +143,9 @@ impl NodeState {
         let spec = self.spec(name).cloned().ok_or("unknown child")?;
         let cell = (spec.start)(myself.get_cell()).await?;
         self.running.insert(cell.get_id(), name);
+        if let Some(t) = self.down_since.remove(name) {
+            self.last_restart.insert(name, t.elapsed());
+        }
         Ok(())
     }
 
@@ -150,6 +159,7 @@ impl NodeState {
             return Ok(());
         };
         (spec.gone)();
+        self.down_since.entry(name).or_insert_with(Instant::now);
         let log = self.logs.entry(name).or_default();
         match log.decide(&spec.policy, Instant::now()) {
             Decision::Restart { after, attempt } => {
@@ -184,6 +194,8 @@ impl Actor for NodeSupervisor {
             specs,
             running: HashMap::new(),
             logs: HashMap::new(),
+            down_since: HashMap::new(),
+            last_restart: HashMap::new(),
         };
         let names: Vec<&'static str> = state.specs.iter().map(|s| s.name).collect();
         for name in names {
@@ -226,6 +238,10 @@ impl Actor for NodeSupervisor {
                             name: s.name,
                             running: running.contains(&s.name),
                             restarts: s.restarts.load(Relaxed),
+                            last_restart_ms: state
+                                .last_restart
+                                .get(s.name)
+                                .map(|d| d.as_millis() as u64),
                         })
                         .collect(),
                 );

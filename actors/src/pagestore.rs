@@ -55,7 +55,8 @@ pub enum StoreMsg {
         /// One flag per id.
         reply: RpcReplyPort<Vec<bool>>,
     },
-    /// Payloads of the leading pages of `ids` held in `ns` that pass their checks.
+    /// How many leading pages of `ids` `ns` holds, and when more than `beyond`, the
+    /// payloads of those that pass their checks (see [`PageBackend::prefix`]).
     Prefix {
         /// Namespace.
         ns: String,
@@ -63,8 +64,10 @@ pub enum StoreMsg {
         ids: Vec<PageId>,
         /// The pages' salt.
         salt: Salt,
-        /// Payloads, in order.
-        reply: RpcReplyPort<Vec<Bytes>>,
+        /// Pages the asking sequence holds in place already.
+        beyond: usize,
+        /// `(stored run, payloads)`.
+        reply: RpcReplyPort<(usize, Vec<Bytes>)>,
     },
     /// Store new pages (payloads) in `ns`.
     Put {
@@ -353,18 +356,19 @@ impl PageBackend for PageClient {
         )
     }
 
-    fn longest_prefix(&self, ids: &[PageId], salt: &Salt) -> Vec<Bytes> {
+    fn prefix(&self, ids: &[PageId], salt: &Salt, beyond: usize) -> (usize, Vec<Bytes>) {
         if ids.is_empty() {
-            return vec![];
+            return (0, vec![]);
         }
         self.ask(
             |reply| StoreMsg::Prefix {
                 ns: self.ns.clone(),
                 ids: ids.to_vec(),
                 salt: *salt,
+                beyond,
                 reply,
             },
-            vec![],
+            (0, vec![]),
         )
     }
 
@@ -496,11 +500,25 @@ impl Actor for PageStoreActor {
                 ns,
                 ids,
                 salt,
+                beyond,
                 reply,
             } => match state.get(&ns) {
-                Some(s) => off_thread(reply, move || s.longest_prefix(&ids, &salt)),
+                Some(s) => {
+                    let stored = ids.iter().take_while(|id| s.contains(id)).count();
+                    if stored <= beyond {
+                        let _ = reply.send((stored, vec![]));
+                    } else if ids[..stored].iter().all(|id| s.in_ram(id)) {
+                        // RAM only: no file to read, answered here.
+                        let _ = reply.send((stored, s.longest_prefix(&ids[..stored], &salt)));
+                    } else {
+                        off_thread(reply, move || {
+                            let pages = s.longest_prefix(&ids[..stored], &salt);
+                            (stored, pages)
+                        });
+                    }
+                }
                 None => {
-                    let _ = reply.send(vec![]);
+                    let _ = reply.send((0, vec![]));
                 }
             },
             StoreMsg::Put { ns, pages } => {

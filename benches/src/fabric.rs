@@ -8,12 +8,10 @@
 //! alternate between the two cases.
 
 use std::path::PathBuf;
-use std::process::Stdio;
 use std::time::{Duration, Instant};
 
-use anyhow::{bail, Context, Result};
+use anyhow::{bail, Result};
 use serde_json::{json, Value};
-use tokio::io::AsyncBufReadExt;
 
 use crate::stats::Percentiles;
 use crate::workload::{self, RequestSpec};
@@ -41,69 +39,58 @@ pub(crate) struct FabricArgs {
     out: PathBuf,
 }
 
-struct Node {
-    child: tokio::process::Child,
-    http: String,
-    quic: String,
-}
-
+/// Starts `mesh join` for the benchmark through the shared node helper.
 async fn start(
-    bin: &PathBuf,
+    bin: &std::path::Path,
     certs: &std::path::Path,
     name: &str,
     tier: &str,
     parallel: &str,
     seed: Option<&str>,
-) -> Result<Node> {
-    let mut cmd = tokio::process::Command::new(bin);
-    cmd.args([
-        "join",
-        "--name",
+) -> Result<mesh_tests::Node> {
+    let ctx = (2048 * parallel.parse::<u32>()?).to_string();
+    let seeds: Vec<&str> = seed.into_iter().collect();
+    let args = mesh_tests::Node::join_args(
         name,
-        "--quic",
-        "127.0.0.1:0",
-        "--port",
-        "0",
-        "--tiers",
+        certs,
+        &seeds,
         tier,
-        "--threads",
-        "1",
-        "--parallel",
-        parallel,
-        "--ctx",
-        &(2048 * parallel.parse::<u32>()?).to_string(),
-        "--kv-block",
-        "32",
-        "--cert-dir",
-    ])
-    .arg(certs)
-    .stdout(Stdio::piped())
-    .stderr(std::fs::File::create(
-        certs.join("..").join(format!("{name}.log")),
-    )?)
-    .kill_on_drop(true);
-    if let Some(s) = seed {
-        cmd.args(["--seeds", s]);
-    }
-    let mut child = cmd
-        .spawn()
-        .with_context(|| format!("starting {}", bin.display()))?;
-    let mut lines = tokio::io::BufReader::new(child.stdout.take().context("stdout")?).lines();
-    let mut quic = String::new();
-    while let Some(line) = lines.next_line().await? {
-        if let Some(q) = line.split(" quic on ").nth(1) {
-            quic = q.to_owned();
+        // mesh's own heartbeat defaults (250 ms, 2 s), not the tests' faster ones.
+        &[
+            "--parallel",
+            parallel,
+            "--ctx",
+            &ctx,
+            "--kv-block",
+            "32",
+            "--heartbeat-ms",
+            "250",
+            "--failure-timeout-ms",
+            "2000",
+        ],
+    );
+    let (bin, log) = (bin.to_owned(), certs.join("..").join(format!("{name}.log")));
+    let name = name.to_owned();
+    tokio::task::spawn_blocking(move || mesh_tests::Node::spawn(&bin, &args, &log, &[]))
+        .await?
+        .map_err(|log| anyhow::anyhow!("{name} exited before listening:\n{log}"))
+}
+
+/// Polls `ok` on a's entry in B's view until it holds (10 s at most).
+async fn until_b_sees_a(
+    client: &reqwest::Client,
+    b: &str,
+    what: &str,
+    ok: impl Fn(&Value) -> bool,
+) -> Result<()> {
+    let t0 = Instant::now();
+    while !ok(&mesh_tests::member_view(client, b, "a").await) {
+        if t0.elapsed() > Duration::from_secs(10) {
+            bail!("B never saw {what}");
         }
-        if let Some(url) = line.strip_prefix("mesh listening on ") {
-            tokio::spawn(async move { while let Ok(Some(_)) = lines.next_line().await {} });
-            return Ok(Node {
-                child,
-                http: url.to_owned(),
-                quic,
-            });
-        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
     }
-    bail!("{name} exited before listening")
+    Ok(())
 }
 
 fn prefix(catalog: &[Value], k: usize, n: usize) -> String {
@@ -151,7 +138,7 @@ pub(crate) async fn run(a: FabricArgs) -> Result<()> {
     let client = reqwest::Client::builder()
         .pool_max_idle_per_host(0)
         .build()?;
-    tokio::time::sleep(Duration::from_millis(1500)).await;
+    until_b_sees_a(&client, &nb.http, "a alive", |m| m["state"] == "alive").await?;
     let spec = RequestSpec {
         model: &a.tier,
         max_tokens: 1,
@@ -173,7 +160,13 @@ pub(crate) async fn run(a: FabricArgs) -> Result<()> {
                     &format!("{p}<|user|>Warm up.<|end|><|assistant|>"),
                 )
                 .await?;
-                tokio::time::sleep(Duration::from_millis(600)).await; // two heartbeats: B sees A's pages
+                let published = scrape(&client, &na.http, "mesh_kv_pages_published_total").await;
+                until_b_sees_a(&client, &nb.http, "a's new pages", |m| {
+                    m["tiers"][0]["pages"]
+                        .as_f64()
+                        .is_some_and(|n| n >= published)
+                })
+                .await?;
             }
             // Keep A's only slot busy so B serves the request itself.
             let busy = {
@@ -204,8 +197,11 @@ pub(crate) async fn run(a: FabricArgs) -> Result<()> {
                 }
                 tokio::time::sleep(Duration::from_millis(5)).await;
             }
-            // One heartbeat so B's view of A shows the busy slot.
-            tokio::time::sleep(Duration::from_millis(300)).await;
+            // B's view of A shows the busy slot (A's next heartbeat).
+            until_b_sees_a(&client, &nb.http, "a busy", |m| {
+                m["tiers"][0]["active"].as_u64().is_some_and(|n| n >= 1)
+            })
+            .await?;
             let fetched_before =
                 scrape(&client, &nb.http, "mesh_kv_pages_fetched_from_peers_total").await;
             let r = workload::one_request(
@@ -234,8 +230,8 @@ pub(crate) async fn run(a: FabricArgs) -> Result<()> {
         Ok(())
     }
     .await;
-    let _ = na.child.start_kill();
-    let _ = nb.child.start_kill();
+    na.kill();
+    nb.kill();
     if let Err(e) = result {
         bail!("{e:#} (node logs in {})", dir.display());
     }

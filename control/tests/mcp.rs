@@ -264,8 +264,9 @@ async fn speculation_runs_reads_early_and_never_writes() {
         runner.speculate("write_file", &write_args).0,
         Speculation::RefusedSideEffect
     );
-    tokio::time::sleep(Duration::from_millis(500)).await;
-    assert!(!target.exists(), "a write ran speculatively");
+    // Refused means nothing was started: no call reached the server.
+    let c = runner.counts();
+    assert_eq!((c.refused, c.started, c.executed), (1, 0, 0));
 
     // A predicted read runs at once; the model's identical call takes its result.
     let read_args = json!({"path": root.join("notes.txt")});
@@ -295,4 +296,5 @@ async fn speculation_runs_reads_early_and_never_writes() {
         c.executed, 3,
         "the read, the write and the re-read reached the server"
     );
+    assert!(!target.exists(), "the refused write never ran");
 }

@@ -20,9 +20,11 @@ pub trait PageBackend: Send + Sync + std::fmt::Debug {
     fn stored_run(&self, ids: &[PageId]) -> usize {
         self.held(ids).iter().take_while(|h| **h).count()
     }
-    /// Payloads of the leading pages of `ids` that are stored and pass their checks
-    /// against `salt`, stopping at the first that does not.
-    fn longest_prefix(&self, ids: &[PageId], salt: &Salt) -> Vec<Bytes>;
+    /// How many leading pages of `ids` are stored, and, when that is more than `beyond`,
+    /// the payloads of those that pass their checks against `salt` (stopping at the first
+    /// that does not): one question for a restore, whose sequence may already hold
+    /// `beyond` pages in place.
+    fn prefix(&self, ids: &[PageId], salt: &Salt, beyond: usize) -> (usize, Vec<Bytes>);
     /// Stores new pages (payloads without headers); pages already held are counted as
     /// deduplicated. May return before the pages are stored.
     fn put(&self, pages: Vec<(PageMeta, Bytes)>);
@@ -49,8 +51,15 @@ impl PageBackend for PageStore {
         ids.iter().take_while(|id| self.contains(id)).count()
     }
 
-    fn longest_prefix(&self, ids: &[PageId], salt: &Salt) -> Vec<Bytes> {
-        PageStore::longest_prefix(self, ids, salt)
+    fn prefix(&self, ids: &[PageId], salt: &Salt, beyond: usize) -> (usize, Vec<Bytes>) {
+        let stored = self.stored_run(ids);
+        if stored <= beyond {
+            return (stored, vec![]);
+        }
+        (
+            stored,
+            PageStore::longest_prefix(self, &ids[..stored], salt),
+        )
     }
 
     fn put(&self, pages: Vec<(PageMeta, Bytes)>) {

@@ -376,6 +376,11 @@ impl PageStore {
         self.far.as_ref().map(|f| f.mem.nodes())
     }
 
+    /// Whether `id` is in the RAM tier (a read of it touches no file).
+    pub fn in_ram(&self, id: &PageId) -> bool {
+        self.ram.lock().expect("ram").map.contains_key(id)
+    }
+
     /// Whether `id` is stored in any tier (no checksum check).
     pub fn contains(&self, id: &PageId) -> bool {
         self.ram.lock().expect("ram").map.contains_key(id)

@@ -3,7 +3,7 @@
 
 mod common;
 
-use common::MeshProcess;
+use common::mesh_up;
 use futures::StreamExt;
 use mesh::client::{ChatDelta, ChatRequest, Client, ClientError, Message};
 use serde_json::json;
@@ -19,14 +19,14 @@ fn weather_tool() -> serde_json::Value {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn client_fails_over_when_its_gateway_dies() {
-    let mut a = MeshProcess::start(&[]);
-    let b = MeshProcess::start(&[]);
+    let mut a = mesh_up(&[]);
+    let b = mesh_up(&[]);
     // A dead address first: the client must skip it.
     let dead = {
         let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
         format!("http://{}", l.local_addr().unwrap())
     };
-    let client = Client::new([dead, a.base.clone(), b.base.clone()]).unwrap();
+    let client = Client::new([dead, a.http.clone(), b.http.clone()]).unwrap();
     let mut req = ChatRequest::new(
         "t1",
         vec![Message::user(

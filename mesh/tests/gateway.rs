@@ -1,7 +1,10 @@
-//! Gateway behaviour against a real node (bundled t1 model) started in-process.
+//! Gateway behaviour against a real node (bundled t1 model) started in-process, one
+//! behaviour per test. The tests that need nothing of the node's counters share one node
+//! started once for this test binary ([`shared`]); the others start their own.
 
 mod common;
 
+use std::sync::OnceLock;
 use std::time::Duration;
 
 use futures::StreamExt;
@@ -53,29 +56,47 @@ async fn post(
     (status, headers, v)
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn chat_tools_streaming_and_errors() {
-    let (base, _stop) = node(16, 4).await;
-    let c = reqwest::Client::new();
-    let url = format!("{base}/v1/chat/completions");
+/// The node the behaviour tests share: 16 requests in flight, 4 sequences.
+fn shared() -> String {
+    static NODE: OnceLock<String> = OnceLock::new();
+    common::shared_node(&NODE, || {
+        let mut cfg = NodeConfig {
+            listen: "127.0.0.1:0".parse().unwrap(),
+            max_concurrent: 16,
+            tiers: vec![EngineConfig {
+                name: "t1".into(),
+                model: models().join("t1-q8_0.gguf"),
+                n_ctx: 4096,
+                n_seq_max: 4,
+                threads: 2,
+                ..EngineConfig::default()
+            }],
+            ..NodeConfig::default()
+        };
+        cfg.tool_routing.route_above = 0;
+        cfg
+    })
+}
 
-    // Health, readiness, model list.
-    assert_eq!(
-        c.get(format!("{base}/health"))
-            .send()
-            .await
-            .unwrap()
-            .status(),
-        200
-    );
-    assert_eq!(
-        c.get(format!("{base}/ready"))
-            .send()
-            .await
-            .unwrap()
-            .status(),
-        200
-    );
+fn chat_url() -> String {
+    format!("{}/v1/chat/completions", shared())
+}
+
+fn forecast_request() -> Value {
+    json!({"model": "t1", "temperature": 0,
+        "messages": [{"role": "user", "content": "What is the forecast in Oslo on 2026-05-01?"}],
+        "tools": weather_tools()})
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn health_ready_and_the_model_list_answer() {
+    let (base, c) = (shared(), reqwest::Client::new());
+    let status = |path: &str| {
+        let (c, url) = (c.clone(), format!("{base}{path}"));
+        async move { c.get(url).send().await.unwrap().status().as_u16() }
+    };
+    assert_eq!(status("/health").await, 200);
+    assert_eq!(status("/ready").await, 200);
     let models: Value = c
         .get(format!("{base}/v1/models"))
         .send()
@@ -85,12 +106,12 @@ async fn chat_tools_streaming_and_errors() {
         .await
         .unwrap();
     assert_eq!(models["data"][0]["id"], "t1");
+}
 
-    // A tool call comes back as OpenAI tool_calls with JSON-string arguments.
-    let body = json!({"model": "t1", "temperature": 0,
-        "messages": [{"role": "user", "content": "What is the forecast in Oslo on 2026-05-01?"}],
-        "tools": weather_tools()});
-    let (s, _, v) = post(&c, url.clone(), body.clone()).await;
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tool_call_comes_back_as_openai_tool_calls_with_json_string_arguments() {
+    let c = reqwest::Client::new();
+    let (s, _, v) = post(&c, chat_url(), forecast_request()).await;
     assert_eq!(s, 200, "{v}");
     let choice = &v["choices"][0];
     assert_eq!(choice["finish_reason"], "tool_calls", "{v}");
@@ -101,6 +122,13 @@ async fn chat_tools_streaming_and_errors() {
         serde_json::from_str(call["function"]["arguments"].as_str().unwrap()).unwrap();
     assert_eq!(args, json!({"city": "Oslo", "date": "2026-05-01"}));
     assert_eq!(v["mesh"]["tier"], "t1");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn usage_totals_add_up() {
+    let c = reqwest::Client::new();
+    let (s, _, v) = post(&c, chat_url(), forecast_request()).await;
+    assert_eq!(s, 200, "{v}");
     let usage = &v["usage"];
     assert_eq!(
         usage["total_tokens"].as_u64(),
@@ -108,23 +136,29 @@ async fn chat_tools_streaming_and_errors() {
             usage["prompt_tokens"].as_u64().unwrap() + usage["completion_tokens"].as_u64().unwrap()
         )
     );
+}
 
-    // The turn after the tool result answers from it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_turn_after_a_tool_result_answers_from_it() {
+    let c = reqwest::Client::new();
     let follow = json!({"model": "t1", "temperature": 0, "tools": weather_tools(), "messages": [
         {"role": "user", "content": "What is the forecast in Oslo on 2026-05-01?"},
         {"role": "assistant", "content": null, "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "weather_get_forecast", "arguments": "{\"city\": \"Oslo\", \"date\": \"2026-05-01\"}"}}]},
         {"role": "tool", "tool_call_id": "c1", "content": "{\"status\": \"ok\", \"value\": 17, \"items\": 3}"}]});
-    let (s, _, v) = post(&c, url.clone(), follow).await;
+    let (s, _, v) = post(&c, chat_url(), follow).await;
     assert_eq!(s, 200);
     assert_eq!(v["choices"][0]["finish_reason"], "stop");
     let text = v["choices"][0]["message"]["content"].as_str().unwrap();
     assert!(text.contains("17"), "answer uses the tool result: {text}");
+}
 
-    // Streaming gives the same call, split into SSE chunks, ending with usage and [DONE].
-    let mut sbody = body.clone();
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn streaming_gives_the_same_call_in_chunks_ending_with_usage_and_done() {
+    let c = reqwest::Client::new();
+    let mut sbody = forecast_request();
     sbody["stream"] = json!(true);
     sbody["stream_options"] = json!({"include_usage": true});
-    let resp = c.post(url.clone()).json(&sbody).send().await.unwrap();
+    let resp = c.post(chat_url()).json(&sbody).send().await.unwrap();
     assert_eq!(resp.status(), 200);
     assert!(resp.headers()["content-type"]
         .to_str()
@@ -160,15 +194,21 @@ async fn chat_tools_streaming_and_errors() {
             .unwrap()
             > 0
     );
+}
 
-    // Legacy completions with a raw prompt.
-    let (s, _, v) = post(&c, format!("{base}/v1/completions"), json!({"model": "t1", "prompt": "<|user|>Hello!<|end|><|assistant|>", "max_tokens": 5, "temperature": 0, "ignore_eos": true})).await;
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn legacy_completions_take_a_raw_prompt() {
+    let c = reqwest::Client::new();
+    let (s, _, v) = post(&c, format!("{}/v1/completions", shared()), json!({"model": "t1", "prompt": "<|user|>Hello!<|end|><|assistant|>", "max_tokens": 5, "temperature": 0, "ignore_eos": true})).await;
     assert_eq!(s, 200, "{v}");
     assert_eq!(v["usage"]["completion_tokens"], 5);
     assert_eq!(v["choices"][0]["finish_reason"], "length");
+}
 
-    // Errors: OpenAI's JSON with the right status and a reason.
-    let r = c.post(url.clone()).body("{not json").send().await.unwrap();
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn malformed_json_is_a_400_saying_so() {
+    let c = reqwest::Client::new();
+    let r = c.post(chat_url()).body("{not json").send().await.unwrap();
     assert_eq!(r.status(), 400);
     let e: Value = r.json().await.unwrap();
     assert_eq!(e["error"]["type"], "invalid_request_error");
@@ -176,64 +216,94 @@ async fn chat_tools_streaming_and_errors() {
         .as_str()
         .unwrap()
         .contains("invalid request body"));
-    let (s, _, e) = post(&c, url.clone(), json!({"model": "t1"})).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_without_messages_is_a_400_naming_them() {
+    let c = reqwest::Client::new();
+    let (s, _, e) = post(&c, chat_url(), json!({"model": "t1"})).await;
     assert_eq!(s, 400);
     assert!(
         e["error"]["message"].as_str().unwrap().contains("messages"),
         "{e}"
     );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unknown_model_is_a_404_model_not_found() {
+    let c = reqwest::Client::new();
     let (s, _, e) = post(
         &c,
-        url.clone(),
+        chat_url(),
         json!({"model": "nope", "messages": [{"role": "user", "content": "hi"}]}),
     )
     .await;
     assert_eq!(s, 404);
     assert_eq!(e["error"]["code"], "model_not_found");
-    let (s, _, e) = post(
-        &c,
-        url.clone(),
-        json!({"model": "t1", "messages": [{"role": "wizard", "content": "hi"}]}),
-    )
-    .await;
+}
+
+/// `(status, param)` of a chat request for t1 with `extra` fields.
+async fn refused_on(extra: Value) -> (u16, Option<String>) {
+    let c = reqwest::Client::new();
+    let mut body = json!({"model": "t1", "messages": [{"role": "user", "content": "hi"}]});
+    for (k, v) in extra.as_object().unwrap() {
+        body[k] = v.clone();
+    }
+    let (s, _, e) = post(&c, chat_url(), body).await;
+    (s, e["error"]["param"].as_str().map(str::to_owned))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unknown_role_is_a_400_naming_the_message() {
     assert_eq!(
-        (s, e["error"]["param"].as_str()),
-        (400, Some("messages[0].role"))
+        refused_on(json!({"messages": [{"role": "wizard", "content": "hi"}]})).await,
+        (400, Some("messages[0].role".into()))
     );
-    let (s, _, _) = post(
-        &c,
-        url.clone(),
-        json!({"model": "t1", "n": 2, "messages": [{"role": "user", "content": "hi"}]}),
-    )
-    .await;
-    assert_eq!(s, 400);
-    let (s, _, e) = post(
-        &c,
-        url.clone(),
-        json!({"model": "t1", "temperature": 7, "messages": [{"role": "user", "content": "hi"}]}),
-    )
-    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn more_than_one_choice_is_a_400_on_n() {
+    assert_eq!(refused_on(json!({"n": 2})).await, (400, Some("n".into())));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_out_of_range_temperature_is_a_400_on_temperature() {
     assert_eq!(
-        (s, e["error"]["param"].as_str()),
-        (400, Some("temperature"))
+        refused_on(json!({"temperature": 7})).await,
+        (400, Some("temperature".into()))
     );
-    let (s, _, e) = post(&c, url.clone(), json!({"model": "t1", "tool_choice": {"type": "function", "function": {"name": "missing"}}, "tools": weather_tools(), "messages": [{"role": "user", "content": "hi"}]})).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tool_choice_naming_a_missing_tool_is_a_400_on_tool_choice() {
     assert_eq!(
-        (s, e["error"]["param"].as_str()),
-        (400, Some("tool_choice"))
+        refused_on(json!({"tool_choice": {"type": "function", "function": {"name": "missing"}}, "tools": weather_tools()})).await,
+        (400, Some("tool_choice".into()))
     );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_prompt_over_the_context_is_context_length_exceeded() {
+    let c = reqwest::Client::new();
     let long = "word ".repeat(3000);
     let (s, _, e) = post(
         &c,
-        url.clone(),
+        chat_url(),
         json!({"model": "t1", "messages": [{"role": "user", "content": long}]}),
     )
     .await;
-    assert_eq!(s, 400);
-    assert_eq!(e["error"]["code"], "context_length_exceeded");
+    assert_eq!(
+        (s, e["error"]["code"].as_str()),
+        (400, Some("context_length_exceeded"))
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_completion_budget_over_the_context_is_context_length_exceeded() {
+    let c = reqwest::Client::new();
     let (s, _, e) = post(
         &c,
-        url.clone(),
+        chat_url(),
         json!({"model": "t1", "max_tokens": 4000, "messages": [{"role": "user", "content": "hi"}]}),
     )
     .await;
@@ -241,8 +311,21 @@ async fn chat_tools_streaming_and_errors() {
         (s, e["error"]["code"].as_str()),
         (400, Some("context_length_exceeded"))
     );
+}
 
-    // Metrics in Prometheus text.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn metrics_are_prometheus_text_with_request_and_latency_series() {
+    let (base, c) = (shared(), reqwest::Client::new());
+    // One served request and one 404, counted before the scrape.
+    let (s, _, _) = post(&c, chat_url(), forecast_request()).await;
+    assert_eq!(s, 200);
+    let (s, _, _) = post(
+        &c,
+        chat_url(),
+        json!({"model": "nope", "messages": [{"role": "user", "content": "hi"}]}),
+    )
+    .await;
+    assert_eq!(s, 404);
     let m = c
         .get(format!("{base}/metrics"))
         .send()
@@ -257,6 +340,7 @@ async fn chat_tools_streaming_and_errors() {
         "mesh_inter_token_latency_seconds_bucket",
         "mesh_generation_tokens_total",
         "mesh_active_sequences",
+        "mesh_actor_restarts_total",
     ] {
         assert!(m.contains(name), "missing {name}");
     }

@@ -6,7 +6,7 @@
 use std::process::Command;
 
 mod common;
-use common::MeshProcess;
+use common::mesh_up;
 
 #[test]
 fn official_openai_client_against_mesh_up() {
@@ -18,8 +18,8 @@ fn official_openai_client_against_mesh_up() {
         "`{python} -c 'import openai'` failed: run scripts/setup.sh (or set MESH_PYTHON to a Python with openai)"
     );
 
-    let mesh = MeshProcess::start(&[]);
-    let base = format!("{}/v1", mesh.base);
+    let mesh = mesh_up(&[]);
+    let base = format!("{}/v1", mesh.http);
     let out = Command::new(&python)
         .arg(root.join("tests/python/openai_e2e.py"))
         .args(["--base-url", &base])

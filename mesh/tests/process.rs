@@ -1,16 +1,15 @@
 //! `mesh up` as a process: serves with an unreachable OTLP collector, and stops cleanly on SIGTERM.
 
-use std::process::Command;
 use std::time::{Duration, Instant};
 
 mod common;
-use common::MeshProcess;
+use common::mesh_up;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn unreachable_collector_does_not_block_and_sigterm_stops() {
     // Nothing listens on port 9: every export fails.
-    let mut mesh = MeshProcess::start(&[("OTEL_EXPORTER_OTLP_ENDPOINT", "http://127.0.0.1:9")]);
-    let base = mesh.base.clone();
+    let mut mesh = mesh_up(&[("OTEL_EXPORTER_OTLP_ENDPOINT", "http://127.0.0.1:9")]);
+    let base = mesh.http.clone();
     let http = reqwest::Client::new();
     for _ in 0..3 {
         let t = Instant::now();
@@ -28,21 +27,8 @@ async fn unreachable_collector_does_not_block_and_sigterm_stops() {
             t.elapsed()
         );
     }
-    let status = Command::new("kill")
-        .args(["-TERM", &mesh.child.id().to_string()])
-        .status()
-        .unwrap();
-    assert!(status.success());
-    let deadline = Instant::now() + Duration::from_secs(20);
-    loop {
-        if let Some(s) = mesh.child.try_wait().unwrap() {
-            assert!(s.success(), "mesh exited with {s} after SIGTERM");
-            break;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "mesh did not stop within 20 s of SIGTERM"
-        );
-        std::thread::sleep(Duration::from_millis(100));
-    }
+    mesh.signal("TERM");
+    let status = mesh.wait_exit(Duration::from_secs(20));
+    let status = status.expect("mesh did not stop within 20 s of SIGTERM");
+    assert!(status.success(), "mesh exited with {status} after SIGTERM");
 }

@@ -1,12 +1,18 @@
 //! Multi-node integration tests: `tests/cluster.rs` starts real `mesh join`
 //! processes on 127.0.0.1 (built by `cargo test --workspace` as the `mesh` package's
 //! binary) and checks membership, routing, failover, certificates and frame handling;
-//! `tests/kv_fabric.rs` checks that prefix pages move between nodes. This library holds
-//! the process helpers they share.
+//! `tests/kv_fabric.rs` checks that prefix pages move between nodes.
+//!
+//! This library is the one way tests and benchmarks start a node and wait for it: the
+//! integration tests here, the `mesh` package's process-level tests and `mesh-bench fabric`
+//! all start `mesh up` / `mesh join` through [`Node`].
 
 use std::io::{BufRead, BufReader};
+use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
 
 /// The `mesh` binary next to the test executable.
 pub fn mesh_bin() -> PathBuf {
@@ -46,6 +52,8 @@ pub struct Node {
     pub http: String,
     /// QUIC address.
     pub quic: String,
+    /// The file its stderr (the node's log) goes to.
+    pub log: PathBuf,
 }
 
 impl Node {
@@ -69,6 +77,24 @@ impl Node {
         extra: &[&str],
         env: &[(&str, &str)],
     ) -> Result<Node, String> {
+        let args = Self::join_args(name, certs, seeds, tiers, extra);
+        // Node logs stay next to the certs for a failed run: <tmp>/<name>-<pid>.log.
+        let log = certs
+            .join("..")
+            .join(format!("{name}-{}.log", std::process::id()));
+        Self::spawn(&mesh_bin(), &args, &log, env)
+    }
+
+    /// The arguments of `mesh join` for a node on 127.0.0.1 with ephemeral ports, small-machine
+    /// defaults (1 thread, 4096 context, 4 slots, 100 ms heartbeats, 1 s failure timeout; a
+    /// flag given in `extra` replaces its default), `extra`, then `--seeds`.
+    pub fn join_args(
+        name: &str,
+        certs: &Path,
+        seeds: &[&str],
+        tiers: &str,
+        extra: &[&str],
+    ) -> Vec<String> {
         let mut args: Vec<String> = [
             "join",
             "--name",
@@ -98,22 +124,33 @@ impl Node {
                 args.push(value.into());
             }
         }
-        // Node logs stay next to the certs for a failed run: <tmp>/<name>-<pid>.log.
-        let log = certs
-            .join("..")
-            .join(format!("{name}-{}.log", std::process::id()));
         args.extend(extra.iter().map(|s| s.to_string()));
         if !seeds.is_empty() {
             args.push("--seeds".into());
             args.push(seeds.join(","));
         }
-        Self::spawn(&args, &log, env)
+        args
     }
 
-    /// Runs `mesh ARGS` (stderr to `log`) until it prints its gateway address; `Err`
-    /// carries the log if it exits first.
-    fn spawn(args: &[String], log: &Path, env: &[(&str, &str)]) -> Result<Node, String> {
-        let mut child = Command::new(mesh_bin())
+    /// Runs `BIN ARGS` (a `mesh` binary; stderr to `log`) until it prints its gateway address;
+    /// `Err` carries the log if it exits first.
+    pub fn spawn(
+        bin: &Path,
+        args: &[String],
+        log: &Path,
+        env: &[(&str, &str)],
+    ) -> Result<Node, String> {
+        let mut cmd = Command::new(bin);
+        // The node dies with the thread that started it: a test's nodes with the test, a
+        // shared fixture's with the thread that keeps it (as long as the test process).
+        // SAFETY: prctl is async-signal-safe; nothing else runs between fork and exec.
+        unsafe {
+            cmd.pre_exec(|| {
+                libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL);
+                Ok(())
+            });
+        }
+        let mut child = cmd
             .args(args)
             .current_dir(root())
             .env("RUST_LOG", "info")
@@ -137,6 +174,7 @@ impl Node {
                             child,
                             http: url.to_owned(),
                             quic,
+                            log: log.to_owned(),
                         });
                     }
                 }
@@ -160,10 +198,31 @@ impl Node {
         args: &[&str],
         env: &[(&str, &str)],
     ) -> Result<Node, String> {
-        let log = log_dir.join(format!("up-{}.log", std::process::id()));
+        static STARTED: AtomicUsize = AtomicUsize::new(0);
+        let n = STARTED.fetch_add(1, Ordering::Relaxed);
+        let log = log_dir.join(format!("up-{}-{n}.log", std::process::id()));
         let mut all: Vec<String> = vec!["up".into(), "--port".into(), "0".into()];
         all.extend(args.iter().map(|s| s.to_string()));
-        Self::spawn(&all, &log, env)
+        Self::spawn(&mesh_bin(), &all, &log, env)
+    }
+
+    /// The exit status if the process has exited, without waiting.
+    pub fn try_wait(&mut self) -> Option<ExitStatus> {
+        self.child.try_wait().ok().flatten()
+    }
+
+    /// Waits up to `limit` for the process to exit; `None` if it is still running.
+    pub fn wait_exit(&mut self, limit: Duration) -> Option<ExitStatus> {
+        let deadline = Instant::now() + limit;
+        loop {
+            if let Some(s) = self.try_wait() {
+                return Some(s);
+            }
+            if Instant::now() >= deadline {
+                return None;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
     }
 
     /// The process id.
@@ -198,5 +257,38 @@ impl Node {
 impl Drop for Node {
     fn drop(&mut self) {
         self.kill();
+    }
+}
+
+/// `GET BASE/v1/cluster`: the membership table as that node sees it (`Null` when it does not
+/// answer).
+pub async fn cluster_view(c: &reqwest::Client, base: &str) -> serde_json::Value {
+    match c.get(format!("{base}/v1/cluster")).send().await {
+        Ok(r) => r.json().await.unwrap_or(serde_json::Value::Null),
+        Err(_) => serde_json::Value::Null,
+    }
+}
+
+/// The entry of `node` in `base`'s membership table (from `node`'s last heartbeat), or
+/// `Null`.
+pub async fn member_view(c: &reqwest::Client, base: &str, node: &str) -> serde_json::Value {
+    cluster_view(c, base).await["members"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .find(|m| m["node"] == node)
+        .cloned()
+        .unwrap_or(serde_json::Value::Null)
+}
+
+/// Polls `f` until it holds; panics naming `what` after 30 s.
+pub async fn wait_until(what: &str, mut f: impl AsyncFnMut() -> bool) {
+    let t0 = Instant::now();
+    while !f().await {
+        assert!(
+            t0.elapsed() < Duration::from_secs(30),
+            "timed out waiting for {what}"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
     }
 }

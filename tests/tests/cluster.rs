@@ -1,11 +1,13 @@
-//! A 3-node cluster of separate `mesh join` processes on 127.0.0.1.
+//! A cluster of separate `mesh join` processes on 127.0.0.1, one behaviour per test.
 //!
-//! One test drives the whole life of the cluster because every phase needs the same
-//! three processes (starting them costs seconds on a small machine): join, serve
-//! through every gateway, refuse a foreign certificate, survive garbage frames, lose
-//! a node under 50 concurrent requests, see it rejoin, and see a graceful leave.
+//! Behaviours that leave the cluster as it was (joining through gossip, `mesh status`, a
+//! foreign certificate refused, garbage frames refused, every gateway serving) share one
+//! 3-node cluster, started once for this test binary ([`shared`]). Behaviours that kill or
+//! stop a node (failover under load, rejoin, graceful leave) each start a cluster of their
+//! own.
 
 use std::path::{Path, PathBuf};
+use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
 use mesh_tests::{mesh, Node};
@@ -198,13 +200,8 @@ async fn garbage_frames(certs: &Path, target: &str) {
     pc.conn.close(0u32.into(), b"done");
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn three_node_cluster() {
-    let dir = tempfile::tempdir().unwrap();
-    // MESH_TEST_DIR keeps certificates and node logs for a look after a failure.
-    let base = std::env::var("MESH_TEST_DIR")
-        .map(PathBuf::from)
-        .unwrap_or_else(|_| dir.path().to_path_buf());
+/// A cluster's certificates: a CA and one certificate per name (and one for the prober).
+fn certificates(base: &Path, names: &[&str]) -> PathBuf {
     let certs = base.join("certs");
     let c = certs.display().to_string();
     let out = mesh(&["cert", "init", "--dir", &c]);
@@ -213,7 +210,7 @@ async fn three_node_cluster() {
         "{}",
         String::from_utf8_lossy(&out.stderr)
     );
-    for n in ["a", "b", "c", "prober"] {
+    for n in names.iter().chain(&["prober"]) {
         let out = mesh(&["cert", "issue", n, "--dir", &c]);
         assert!(
             out.status.success(),
@@ -221,84 +218,173 @@ async fn three_node_cluster() {
             String::from_utf8_lossy(&out.stderr)
         );
     }
-    // Issuing a name twice never overwrites its key.
-    assert!(!mesh(&["cert", "issue", "a", "--dir", &c]).status.success());
+    certs
+}
 
-    let a = Node::start("a", &certs, &[], "t1", &[]).expect("a starts");
+/// Three nodes a, b (through a), c (through a; it learns b by gossip), all alive to each
+/// other.
+async fn three_nodes(certs: &Path) -> (Node, Node, Node) {
+    let a = Node::start("a", certs, &[], "t1", &[]).expect("a starts");
     let seed = a.quic.clone();
-    let mut b = Node::start("b", &certs, &[&seed], "t1", &[]).expect("b joins");
-    let mut cn = Node::start("c", &certs, &[&seed], "t1", &[]).expect("c joins");
-    // Everyone sees everyone (c learns about b through gossip, not from a seed list).
-    for http in [&a.http, &b.http, &cn.http] {
+    let b = Node::start("b", certs, &[&seed], "t1", &[]).expect("b joins");
+    let c = Node::start("c", certs, &[&seed], "t1", &[]).expect("c joins");
+    for http in [&a.http, &b.http, &c.http] {
         wait_for("3 alive members", Duration::from_secs(30), async || {
             let ms = members(http).await;
             ms.len() == 3 && ms.iter().all(|m| m["state"] == "alive")
         })
         .await;
     }
-    let status = mesh(&["status", "--gateway", &a.http]);
+    (a, b, c)
+}
+
+/// Reference answers to `request(0..10)`, plain and streamed, from a standalone node with
+/// the same settings. Computing them on a member would leave that member holding every
+/// prompt's KV pages, and the router would then keep a burst on it.
+async fn references(base: &Path) -> (Vec<(String, u64)>, Vec<String>) {
+    let client = reqwest::Client::new();
+    let mut solo = Node::up(
+        base,
+        &[
+            "--only",
+            "t1",
+            "--threads",
+            "1",
+            "--ctx",
+            "4096",
+            "--parallel",
+            "4",
+        ],
+    )
+    .expect("reference node starts");
+    let (mut plain, mut streamed) = (vec![], vec![]);
+    for i in 0..10 {
+        plain.push(
+            complete(&client, &solo.http, &request(i))
+                .await
+                .expect("reference"),
+        );
+        streamed.push(
+            complete_streaming(&client, &solo.http, &request(i))
+                .await
+                .expect("reference"),
+        );
+    }
+    solo.terminate();
+    (plain, streamed)
+}
+
+/// The cluster the non-destructive tests share.
+struct Shared {
+    certs: PathBuf,
+    base: PathBuf,
+    a: Node,
+    b: Node,
+    c: Node,
+    reference: Vec<(String, u64)>,
+}
+
+/// Starts the shared cluster once, from a thread that lives as long as this test process:
+/// its nodes die with that thread, so they never outlive the tests.
+fn shared() -> &'static Shared {
+    static CLUSTER: OnceLock<Shared> = OnceLock::new();
+    CLUSTER.get_or_init(|| {
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            let dir = tempfile::tempdir().unwrap().keep();
+            let rt = tokio::runtime::Builder::new_multi_thread()
+                .worker_threads(2)
+                .enable_all()
+                .build()
+                .unwrap();
+            let shared = rt.block_on(async {
+                let certs = certificates(&dir, &["a", "b", "c"]);
+                let (a, b, c) = three_nodes(&certs).await;
+                let (reference, _) = references(&dir).await;
+                Shared {
+                    certs,
+                    base: dir.clone(),
+                    a,
+                    b,
+                    c,
+                    reference,
+                }
+            });
+            tx.send(shared).unwrap();
+            loop {
+                std::thread::park();
+            }
+        });
+        rx.recv().expect("the shared cluster started")
+    })
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_node_joining_through_one_seed_learns_the_others_by_gossip() {
+    let s = shared();
+    // c was given only a as its seed.
+    let ms = members(&s.c.http).await;
+    assert_eq!(state_of(&ms, "b").as_deref(), Some("alive"), "{ms:?}");
+    assert_eq!(state_of(&ms, "a").as_deref(), Some("alive"));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn mesh_status_lists_every_member() {
+    let s = shared();
+    let status = mesh(&["status", "--gateway", &s.a.http]);
     let table = String::from_utf8_lossy(&status.stdout);
     assert!(status.status.success());
     for n in ["a*", "b ", "c "] {
         assert!(table.contains(n), "status lacks {n}: {table}");
     }
+}
 
-    // A certificate from another CA cannot join.
-    let foreign = base.join("foreign");
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn issuing_a_name_twice_never_overwrites_its_key() {
+    let s = shared();
+    let c = s.certs.display().to_string();
+    assert!(!mesh(&["cert", "issue", "a", "--dir", &c]).status.success());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_certificate_from_another_ca_cannot_join() {
+    let s = shared();
+    let foreign = s.base.join("foreign");
     let f = foreign.display().to_string();
     assert!(mesh(&["cert", "init", "--dir", &f]).status.success());
     assert!(mesh(&["cert", "issue", "d", "--dir", &f]).status.success());
-    let err = Node::start("d", &foreign, &[&seed], "none", &[])
+    let err = Node::start("d", &foreign, &[&s.a.quic], "none", &[])
         .err()
         .expect("foreign node refused");
     assert!(err.contains("no seed could be reached"), "{err}");
-    assert!(state_of(&members(&a.http).await, "d").is_none());
+    assert!(state_of(&members(&s.a.http).await, "d").is_none());
+}
 
-    // Garbage on streams does not disturb the node.
-    garbage_frames(&certs, &seed).await;
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn garbage_frames_are_refused_and_the_connection_keeps_serving() {
+    let s = shared();
+    garbage_frames(&s.certs, &s.a.quic).await;
+}
 
-    // Reference answers from a standalone node with the same settings. Computing them
-    // on a member would leave that member holding every prompt's KV pages, and the
-    // router would then keep the burst below on it (on a fast host b never gets work).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_gateway_serves_the_reference_answers() {
+    let s = shared();
     let client = reqwest::Client::new();
-    let mut reference = vec![];
-    let mut reference_stream = vec![];
-    {
-        let mut solo = Node::up(
-            &base,
-            &[
-                "--only",
-                "t1",
-                "--threads",
-                "1",
-                "--ctx",
-                "4096",
-                "--parallel",
-                "4",
-            ],
-        )
-        .expect("reference node starts");
-        for i in 0..10 {
-            reference.push(
-                complete(&client, &solo.http, &request(i))
-                    .await
-                    .expect("reference"),
-            );
-            reference_stream.push(
-                complete_streaming(&client, &solo.http, &request(i))
-                    .await
-                    .expect("reference"),
-            );
-        }
-        solo.terminate();
-    }
-    for http in [&a.http, &b.http, &cn.http] {
+    for http in [&s.a.http, &s.b.http, &s.c.http] {
         for i in [0, 7] {
             let got = complete(&client, http, &request(i)).await.expect("served");
-            assert_eq!(got, reference[i], "gateway {http} request {i}");
+            assert_eq!(got, s.reference[i], "gateway {http} request {i}");
         }
     }
+}
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn requests_survive_the_loss_of_a_serving_node() {
+    let dir = tempfile::tempdir().unwrap();
+    let certs = certificates(dir.path(), &["a", "b", "c"]);
+    let (reference, reference_stream) = references(dir.path()).await;
+    let (a, mut b, cn) = three_nodes(&certs).await;
+    let client = reqwest::Client::new();
     // 50 concurrent requests through a and c; b is killed while serving some of them.
     let mut tasks = vec![];
     for i in 0..50 {
@@ -332,7 +418,6 @@ async fn three_node_cluster() {
     for (i, t) in tasks.into_iter().enumerate() {
         match t.await.unwrap() {
             Ok((text, n)) => {
-                let want = &reference[i % 10];
                 if i % 3 == 0 {
                     assert_eq!(
                         text,
@@ -342,7 +427,7 @@ async fn three_node_cluster() {
                 } else {
                     assert_eq!(
                         (text, n),
-                        want.clone(),
+                        reference[i % 10].clone(),
                         "request {i} differs after failover"
                     );
                 }
@@ -352,27 +437,36 @@ async fn three_node_cluster() {
     }
     assert!(failed.is_empty(), "requests lost: {failed:?}");
     eprintln!("all 50 completed {:?} after the kill", killed_at.elapsed());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_killed_node_is_declared_dead_and_rejoins_when_restarted() {
+    let dir = tempfile::tempdir().unwrap();
+    let certs = certificates(dir.path(), &["a", "b", "c"]);
+    let (a, mut b, _c) = three_nodes(&certs).await;
+    b.kill();
     wait_for("b declared dead", Duration::from_secs(10), async || {
         state_of(&members(&a.http).await, "b").as_deref() == Some("dead")
     })
     .await;
-
-    // b restarts with the same name and rejoins.
-    let _b2 = Node::start("b", &certs, &[&seed], "t1", &[]).expect("b restarts");
+    let _b2 = Node::start("b", &certs, &[&a.quic], "t1", &[]).expect("b restarts");
     wait_for("b alive again", Duration::from_secs(30), async || {
         state_of(&members(&a.http).await, "b").as_deref() == Some("alive")
     })
     .await;
+}
 
-    // Graceful leave on SIGTERM.
-    cn.terminate();
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_terminated_node_leaves_gracefully_and_the_rest_keep_serving() {
+    let dir = tempfile::tempdir().unwrap();
+    let certs = certificates(dir.path(), &["a", "b", "c"]);
+    let (a, _b, mut c) = three_nodes(&certs).await;
+    c.terminate();
     wait_for("c left", Duration::from_secs(10), async || {
         state_of(&members(&a.http).await, "c").as_deref() == Some("left")
     })
     .await;
-    let got = complete(&client, &a.http, &request(3))
-        .await
-        .expect("still serving");
-    assert_eq!(got, reference[3]);
-    drop(_b2);
+    let client = reqwest::Client::new();
+    let got = complete(&client, &a.http, &request(3)).await;
+    assert!(got.is_ok(), "still serving: {got:?}");
 }

@@ -2,9 +2,7 @@
 //! node B when B serves a request sharing it (A busy), and B's answer equals a node
 //! without any page reuse.
 
-use std::time::{Duration, Instant};
-
-use mesh_tests::{mesh, Node};
+use mesh_tests::{cluster_view, member_view, mesh, wait_until, Node};
 use serde_json::{json, Value};
 
 fn catalog_prefix() -> String {
@@ -86,28 +84,13 @@ async fn pages_computed_on_one_node_are_pulled_by_another() {
     let want = complete(&client, &r.http, &p2, 24).await;
 
     // Wait for a and b to see each other.
-    let t0 = Instant::now();
-    loop {
-        let v: Value = client
-            .get(format!("{}/v1/cluster", b.http))
-            .send()
-            .await
-            .unwrap()
-            .json()
-            .await
-            .unwrap();
-        if v["members"]
+    wait_until("the cluster to form", async || {
+        let v = cluster_view(&client, &b.http).await;
+        v["members"]
             .as_array()
             .is_some_and(|m| m.len() == 2 && m.iter().all(|m| m["state"] == "alive"))
-        {
-            break;
-        }
-        assert!(
-            t0.elapsed() < Duration::from_secs(30),
-            "cluster did not form"
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    })
+    .await;
     // a computes the prefix (served locally: both idle, local preferred).
     complete(&client, &a.http, &p1, 4).await;
     assert!(metric(&client, &a.http, "mesh_kv_pages_published_total").await > 0.0);
@@ -116,8 +99,14 @@ async fn pages_computed_on_one_node_are_pulled_by_another() {
         0.0,
         "p1 ran on b"
     );
-    // Let b hear a's advert with the new pages, then keep a's only slot busy.
-    tokio::time::sleep(Duration::from_millis(800)).await;
+    // b hears a's advert with the new pages, then a's only slot is kept busy.
+    let published = metric(&client, &a.http, "mesh_kv_pages_published_total").await as u64;
+    wait_until("b to see a's pages", async || {
+        member_view(&client, &b.http, "a").await["tiers"][0]["pages"]
+            .as_u64()
+            .is_some_and(|n| n >= published)
+    })
+    .await;
     let busy = {
         let (client, base) = (client.clone(), a.http.clone());
         tokio::spawn(async move {
@@ -130,13 +119,13 @@ async fn pages_computed_on_one_node_are_pulled_by_another() {
             .await
         })
     };
-    let t0 = Instant::now();
-    while metric(&client, &a.http, "mesh_active_sequences").await < 1.0 {
-        assert!(t0.elapsed() < Duration::from_secs(10));
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
-    // Let b hear (next heartbeat) that a is busy, so its gateway serves p2 itself.
-    tokio::time::sleep(Duration::from_millis(400)).await;
+    // b hears (next heartbeat) that a is busy, so its gateway serves p2 itself.
+    wait_until("b to see a busy", async || {
+        member_view(&client, &b.http, "a").await["tiers"][0]["active"]
+            .as_u64()
+            .is_some_and(|n| n >= 1)
+    })
+    .await;
     // b serves p2, three times at once (agents started together), and pulls the shared
     // prefix from a instead of prefilling it: once, however many requests want it.
     let calls = (0..3).map(|_| {
@@ -152,8 +141,18 @@ async fn pages_computed_on_one_node_are_pulled_by_another() {
     }
     let fetched = metric(&client, &b.http, "mesh_kv_pages_fetched_from_peers_total").await;
     assert!(fetched > 0.0, "b fetched no pages from a");
-    let pulls = metric(&client, &b.http, "mesh_kv_peer_pulls_total{outcome=\"started\"}").await;
-    let joined = metric(&client, &b.http, "mesh_kv_peer_pulls_total{outcome=\"joined\"}").await;
+    let pulls = metric(
+        &client,
+        &b.http,
+        "mesh_kv_peer_pulls_total{outcome=\"started\"}",
+    )
+    .await;
+    let joined = metric(
+        &client,
+        &b.http,
+        "mesh_kv_peer_pulls_total{outcome=\"joined\"}",
+    )
+    .await;
     eprintln!("b: {pulls} page pull(s) started, {joined} call(s) joined one in flight");
     assert_eq!(
         pulls, 1.0,

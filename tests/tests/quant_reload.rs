@@ -587,7 +587,7 @@ async fn sighup_puts_an_edited_state_file_in_force_and_refuses_a_bad_one() {
     let t1 = tier_with_q4_variant(d);
     let file = d.join("policy.json");
     let node = up_with_policy(d, &t1, &file).expect("node starts");
-    let log = d.join(format!("up-{}.log", std::process::id()));
+    let log = node.log.clone();
     let c = reqwest::Client::builder()
         .timeout(Duration::from_secs(120))
         .build()

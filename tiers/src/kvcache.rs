@@ -3,7 +3,7 @@
 //! is prefilled.
 //!
 //! ```text
-//! admit:   prompt ─▶ chain(salt, prompt[..len-1], B) ─▶ store.longest_prefix ─▶ assemble ─▶ state_seq_set
+//! admit:   prompt ─▶ chain(salt, prompt[..len-1], B) ─▶ store.prefix ─▶ assemble ─▶ state_seq_set
 //!          (≥ 1 prompt token is always prefilled, for the logits of the first output token;
 //!          skipped when the slot already holds as much of the prompt in place, kept from
 //!          its previous request: see `EngineConfig::keep_resident`)
@@ -180,13 +180,15 @@ impl KvCache {
             salt: Some(salt),
             published: false,
         };
-        // Pages the sequence holds in place need no restore (nor publishing when stored).
-        let stored = self.store.stored_run(&plan.ids[..usable]);
+        // Pages the sequence holds in place need no restore (nor publishing when stored):
+        // the store answers how many pages it has and sends them only when they cover more.
+        let (stored, pages) = self
+            .store
+            .prefix(&plan.ids[..usable], &salt, in_place / self.block);
         if stored * self.block <= in_place {
             plan.restored = stored;
             return (plan, in_place);
         }
-        let pages = self.store.longest_prefix(&plan.ids[..usable], &salt);
         if pages.len() * self.block <= in_place {
             plan.restored = pages.len();
             return (plan, in_place);
@@ -243,6 +245,11 @@ impl KvCache {
         let salt = self.salt(scope);
         let usable = prompt.len().saturating_sub(1) / self.block * self.block;
         let ids = chain(&salt, &prompt[..usable], self.block);
+        // Only a prompt whose chain reaches pages being published can wait for them; the
+        // store is asked only then (this runs for every queued request at every step).
+        if !ids.iter().any(|id| pending.contains_key(id)) {
+            return false;
+        }
         let stored = self.store.stored_run(&ids);
         let coming = ids[stored..]
             .iter()

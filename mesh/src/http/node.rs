@@ -57,7 +57,8 @@ pub(crate) async fn models(State(state): State<HttpState>) -> Json<Value> {
 
 fn tier_json(t: &mesh_actors::wire::TierAdvert) -> Value {
     json!({"name": t.name, "active": t.active, "queued": t.queued, "n_seq_max": t.n_seq_max,
-           "max_seq_len": t.max_seq_len, "kv_cells": t.kv_cells, "kv_reserved": t.kv_reserved})
+           "max_seq_len": t.max_seq_len, "kv_cells": t.kv_cells, "kv_reserved": t.kv_reserved,
+           "pages": t.pages.len()})
 }
 
 /// `GET /v1/cluster`: the members this node knows, its placement and its actors.

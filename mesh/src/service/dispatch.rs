@@ -247,6 +247,8 @@ impl Dispatcher {
                         .then_some((mesh_kvstore::SaltBase(base), t.page_block as usize))
                 })
             });
+        // With no peer to weigh against, the local tier takes it whatever it holds.
+        let params = params.filter(|_| cands.iter().any(|c| !c.local));
         if let Some((base, block)) = params {
             let ids = mesh_kvstore::chain(&base.salt(scope), usable, block);
             let local_run = if local.as_ref().is_some_and(|e| e.desc.pages.is_some()) {

@@ -1,72 +1,26 @@
-//! Starting `mesh up` as a child process for the process-level tests.
+//! Starting nodes for the `mesh` package's tests: as child processes (through the shared
+//! helper in `mesh-tests`) or inside the test process.
 
-use std::io::{BufRead, BufReader};
-use std::process::{Child, Command, Stdio};
-
-/// A `mesh up` process hosting the bundled t1 on a free port; killed on drop.
+/// Starts `mesh up --port 0 --only t1` (2 threads, 8192 context, 4 slots) as a child process
+/// with these extra environment variables and waits for its gateway; killed on drop. Its log
+/// goes to the system temp folder.
 #[allow(dead_code)] // only the process-level tests start child processes
-pub(crate) struct MeshProcess {
-    /// The child.
-    pub(crate) child: Child,
-    /// `http://127.0.0.1:PORT`.
-    pub(crate) base: String,
-}
-
-#[allow(dead_code)]
-impl MeshProcess {
-    /// Starts `mesh up --port 0 --only t1` with these extra environment variables and waits for
-    /// the address it prints.
-    pub(crate) fn start(env: &[(&str, &str)]) -> Self {
-        let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
-        let mut child = Command::new(env!("CARGO_BIN_EXE_mesh"))
-            .args([
-                "up",
-                "--port",
-                "0",
-                "--only",
-                "t1",
-                "--threads",
-                "2",
-                "--ctx",
-                "8192",
-                "--parallel",
-                "4",
-            ])
-            .current_dir(&root)
-            .envs(env.iter().copied())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::null())
-            .spawn()
-            .expect("mesh starts");
-        let stdout = child.stdout.take().expect("piped stdout");
-        let mut lines = BufReader::new(stdout).lines();
-        let base = loop {
-            let line = lines
-                .next()
-                .expect("mesh exited before listening")
-                .expect("utf-8 line");
-            if let Some(url) = line.strip_prefix("mesh listening on ") {
-                break url.to_owned();
-            }
-        };
-        Self { child, base }
-    }
-}
-
-impl Drop for MeshProcess {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-impl MeshProcess {
-    /// Kills the process now (SIGKILL).
-    #[allow(dead_code)] // not every test binary that includes this module kills
-    pub(crate) fn kill(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
+pub(crate) fn mesh_up(env: &[(&str, &str)]) -> mesh_tests::Node {
+    mesh_tests::Node::up_with_env(
+        &std::env::temp_dir(),
+        &[
+            "--only",
+            "t1",
+            "--threads",
+            "2",
+            "--ctx",
+            "8192",
+            "--parallel",
+            "4",
+        ],
+        env,
+    )
+    .unwrap_or_else(|log| panic!("mesh up exited before listening:\n{log}"))
 }
 
 /// Starts a node in this process; it runs until the returned sender is dropped or fired.
@@ -84,4 +38,34 @@ pub(crate) async fn in_process(
     let base = format!("http://{}", running.addr);
     tokio::spawn(running.wait());
     (base, tx)
+}
+
+/// A node started once for a whole test binary and shared by its tests. It runs on a
+/// runtime of its own (each `#[tokio::test]` has its own runtime, which stops at the end of
+/// its test) and lives until the process exits. Returns `http://ADDR`.
+#[allow(dead_code)] // not every test binary that includes this module shares a node
+pub(crate) fn shared_node(
+    cell: &'static std::sync::OnceLock<String>,
+    cfg: impl FnOnce() -> mesh::config::NodeConfig + Send + 'static,
+) -> String {
+    cell.get_or_init(|| {
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            let rt = tokio::runtime::Builder::new_multi_thread()
+                .worker_threads(2)
+                .enable_all()
+                .build()
+                .expect("a runtime");
+            rt.block_on(async move {
+                let running = mesh::start(cfg(), std::future::pending())
+                    .await
+                    .expect("the shared node starts");
+                tx.send(format!("http://{}", running.addr))
+                    .expect("the test waits");
+                let _ = running.wait().await;
+            });
+        });
+        rx.recv().expect("the shared node started")
+    })
+    .clone()
 }
