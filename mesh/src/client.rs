@@ -308,6 +308,7 @@ pub struct Client {
     bases: Vec<String>,
     retry: Retry,
     next: std::sync::Arc<std::sync::atomic::AtomicUsize>,
+    api_key: Option<String>,
 }
 
 enum Attempt<T> {
@@ -353,7 +354,15 @@ impl Client {
             bases,
             retry: Retry::default(),
             next: Default::default(),
+            api_key: None,
         })
+    }
+
+    /// Sends `key` as `Authorization: Bearer` on every request (nodes started with
+    /// `--keys`; see `mesh keys create`).
+    pub fn with_api_key(mut self, key: impl Into<String>) -> Self {
+        self.api_key = Some(key.into());
+        self
     }
 
     /// Replaces the retry policy.
@@ -413,13 +422,15 @@ impl Client {
         body: &impl Serialize,
         timeout: Duration,
     ) -> Attempt<reqwest::Response> {
-        let r = self
+        let mut req = self
             .http
             .post(format!("{base}{path}"))
             .timeout(timeout)
-            .json(body)
-            .send()
-            .await;
+            .json(body);
+        if let Some(k) = &self.api_key {
+            req = req.bearer_auth(k);
+        }
+        let r = req.send().await;
         match r {
             Err(e) => Attempt::Retry(e.to_string()),
             Ok(r) if r.status().is_success() => Attempt::Done(r),

@@ -72,6 +72,20 @@ pub struct NodeConfig {
     /// 404. Not part of the file config.
     #[serde(skip)]
     pub fault_token: Option<String>,
+    /// API keys (`[auth]`).
+    pub auth: AuthSettings,
+}
+
+/// API keys (`[auth]`): with a key file, every `/v1` route asks for a key
+/// (`Authorization: Bearer`) with the scope it needs; see `mesh keys`.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct AuthSettings {
+    /// Key file written by `mesh keys create` (`--keys`); none: no key is asked for.
+    pub keys_file: Option<PathBuf>,
+    /// Serve a non-loopback address without keys (`--insecure-no-auth`); without it such a
+    /// node refuses to start.
+    pub insecure_no_auth: bool,
 }
 
 /// A part a node plays in the cluster.
@@ -401,6 +415,7 @@ impl Default for NodeConfig {
             request_timeout_s: 600,
             restart_wait_s: 30,
             fault_token: None,
+            auth: AuthSettings::default(),
         }
     }
 }

@@ -14,3 +14,7 @@ pub const LLAMA_LOGS: &str = "MESH_LLAMA_LOGS";
 pub const CERT_DIR: &str = "MESH_CERT_DIR";
 /// The token `mesh up --fault-injection` requires on `POST /v1/debug/crash`.
 pub const FAULT_TOKEN: &str = "MESH_FAULT_TOKEN";
+/// API key file `mesh keys` writes and `mesh up --keys` reads (default `~/.mesh/keys.json`).
+pub const KEYS_FILE: &str = "MESH_KEYS_FILE";
+/// The API key `mesh status` sends.
+pub const API_KEY: &str = "MESH_API_KEY";

@@ -10,7 +10,7 @@
 //!   and no HTTP.
 //! - [`node`]: assembly of the supervision tree (`mesh-actors`), placement, what peers call.
 //!
-//! Beside them: [`config`], [`metrics`], [`telemetry`], [`env`], and, with only the
+//! Beside them: [`config`], [`keys`] (API keys and scopes), [`metrics`], [`telemetry`], [`env`], and, with only the
 //! `client` feature, the Rust client SDK ([`client`]), which does not build llama.cpp.
 //!
 //! Start a node in-process with [`start`]; the binary does the same behind `mesh up`.
@@ -22,6 +22,8 @@ pub mod config;
 pub mod env;
 #[cfg(feature = "node")]
 pub mod http;
+#[cfg(feature = "node")]
+pub mod keys;
 #[cfg(feature = "node")]
 pub mod metrics;
 #[cfg(feature = "node")]

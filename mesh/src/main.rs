@@ -25,6 +25,9 @@ enum Cmd {
     /// Cluster certificates.
     #[command(subcommand)]
     Cert(CertCmd),
+    /// API keys for the HTTP API (`mesh up --keys FILE` asks for them).
+    #[command(subcommand)]
+    Keys(KeysCmd),
     /// Print this host's CPU/memory topology and the tier placement a node would use.
     Topology(TopologyArgs),
     /// Write another GGUF variant of a tier's model (llama.cpp quantization), for the
@@ -83,6 +86,106 @@ enum CertCmd {
     },
 }
 
+#[derive(Subcommand, Debug)]
+enum KeysCmd {
+    /// Make a key and print it (once: the file keeps only its hash).
+    Create {
+        /// What the key may do (repeatable or comma-separated): inference (completions,
+        /// models, cluster view), agent (agent tasks, tool list), control (policy, tuner).
+        #[arg(long, value_delimiter = ',', required = true)]
+        scope: Vec<String>,
+        /// Tools the key's agent tasks may run (comma-separated); default: every tool
+        /// without side effects. A tool with side effects runs only when listed here.
+        #[arg(long, value_delimiter = ',')]
+        tools: Option<Vec<String>>,
+        /// A label for people.
+        #[arg(long, default_value = "")]
+        name: String,
+        /// Key file (default $MESH_KEYS_FILE or ~/.mesh/keys.json).
+        #[arg(long)]
+        file: Option<PathBuf>,
+    },
+    /// List the keys in a file (ids, names, scopes, tools; never secrets).
+    List {
+        /// Key file (default $MESH_KEYS_FILE or ~/.mesh/keys.json).
+        #[arg(long)]
+        file: Option<PathBuf>,
+    },
+    /// Remove a key from a file (nodes read the file when they start).
+    Revoke {
+        /// The key's id (the 8 hex digits after `msk_`).
+        id: String,
+        /// Key file (default $MESH_KEYS_FILE or ~/.mesh/keys.json).
+        #[arg(long)]
+        file: Option<PathBuf>,
+    },
+}
+
+fn keys_cmd(cmd: KeysCmd) -> anyhow::Result<()> {
+    use mesh::keys;
+    match cmd {
+        KeysCmd::Create {
+            scope,
+            tools,
+            name,
+            file,
+        } => {
+            let file = file.unwrap_or_else(keys::default_keys_file);
+            let scopes = scope
+                .iter()
+                .map(|s| keys::Scope::parse(s.trim()))
+                .collect::<Result<Vec<_>, _>>()
+                .map_err(anyhow::Error::msg)?;
+            let tools = tools.map(|t| t.into_iter().map(|s| s.trim().to_owned()).collect());
+            let (rec, key) =
+                keys::create(&file, &name, scopes, tools).map_err(anyhow::Error::msg)?;
+            eprintln!(
+                "key {} added to {} (scopes: {}); it is shown once, keep it now:",
+                rec.id,
+                file.display(),
+                rec.scopes
+                    .iter()
+                    .map(|s| s.as_str())
+                    .collect::<Vec<_>>()
+                    .join(",")
+            );
+            println!("{key}");
+            Ok(())
+        }
+        KeysCmd::List { file } => {
+            let file = file.unwrap_or_else(keys::default_keys_file);
+            let text = std::fs::read_to_string(&file)
+                .map_err(|e| anyhow::anyhow!("{}: {e}", file.display()))?;
+            let f: keys::KeyFile = serde_json::from_str(&text)
+                .map_err(|e| anyhow::anyhow!("{}: {e}", file.display()))?;
+            println!("{:<10} {:<16} {:<26} TOOLS", "ID", "NAME", "SCOPES");
+            for k in &f.keys {
+                let scopes: Vec<&str> = k.scopes.iter().map(|s| s.as_str()).collect();
+                let tools = match &k.tools {
+                    Some(t) => t.join(","),
+                    None => "(without side effects)".into(),
+                };
+                println!(
+                    "{:<10} {:<16} {:<26} {tools}",
+                    k.id,
+                    k.name,
+                    scopes.join(",")
+                );
+            }
+            Ok(())
+        }
+        KeysCmd::Revoke { id, file } => {
+            let file = file.unwrap_or_else(keys::default_keys_file);
+            keys::revoke(&file, &id).map_err(anyhow::Error::msg)?;
+            println!(
+                "key {id} removed from {}; restart nodes that use the file",
+                file.display()
+            );
+            Ok(())
+        }
+    }
+}
+
 #[derive(clap::Args, Debug)]
 struct JoinArgs {
     /// Node name; the cert folder must hold NAME.pem and NAME.key (`mesh cert issue NAME`).
@@ -124,6 +227,9 @@ struct StatusArgs {
     /// Print the raw JSON.
     #[arg(long)]
     json: bool,
+    /// API key for a node that asks for one (default $MESH_API_KEY).
+    #[arg(long)]
+    api_key: Option<String>,
 }
 
 #[derive(clap::Args, Debug)]
@@ -172,6 +278,14 @@ struct UpArgs {
     /// as `x-mesh-fault-token`. Never on a production node.
     #[arg(long)]
     fault_injection: bool,
+    /// API key file (`mesh keys create` writes it): every /v1 route then asks for a key
+    /// with the scope it needs. Default: none, or `[auth] keys_file`.
+    #[arg(long)]
+    keys: Option<PathBuf>,
+    /// Serve a non-loopback address without API keys. Without keys such a node refuses to
+    /// start: anyone who reaches it could change its policy and run its tools.
+    #[arg(long)]
+    insecure_no_auth: bool,
 }
 
 fn node_config(a: &UpArgs) -> anyhow::Result<NodeConfig> {
@@ -181,6 +295,12 @@ fn node_config(a: &UpArgs) -> anyhow::Result<NodeConfig> {
     }
     if let Some(p) = a.port {
         cfg.listen = SocketAddr::from(([127, 0, 0, 1], p));
+    }
+    if let Some(k) = &a.keys {
+        cfg.auth.keys_file = Some(k.clone());
+    }
+    if a.insecure_no_auth {
+        cfg.auth.insecure_no_auth = true;
     }
     if a.fault_injection {
         let token = std::env::var(mesh::env::FAULT_TOKEN).map_err(|_| {
@@ -320,9 +440,17 @@ async fn run_node(cfg: NodeConfig) -> anyhow::Result<()> {
 
 async fn status(a: &StatusArgs) -> anyhow::Result<()> {
     let url = format!("{}/v1/cluster", a.gateway.trim_end_matches('/'));
-    let v: serde_json::Value = reqwest::Client::new()
+    let mut req = reqwest::Client::new()
         .get(&url)
-        .timeout(std::time::Duration::from_secs(5))
+        .timeout(std::time::Duration::from_secs(5));
+    if let Some(k) = a
+        .api_key
+        .clone()
+        .or_else(|| std::env::var(mesh::env::API_KEY).ok())
+    {
+        req = req.bearer_auth(k);
+    }
+    let v: serde_json::Value = req
         .send()
         .await
         .map_err(|e| anyhow::anyhow!("{url}: {e}"))?
@@ -461,6 +589,7 @@ async fn main() -> anyhow::Result<()> {
             Ok(())
         }
         Cmd::Status(a) => status(&a).await,
+        Cmd::Keys(k) => keys_cmd(k),
         Cmd::Topology(a) => topology(&a),
         Cmd::Quantize(a) => quantize(&a),
         Cmd::Join(a) => run_node(join_config(&a)?).await,

@@ -155,6 +155,8 @@ pub struct Metrics {
     pub tools_removed: Counter,
     /// Agent tasks by how they ended.
     pub agent_tasks: Family<StatusLabel, Counter>,
+    /// Requests refused by API-key checks (`status`: `unauthenticated` or `forbidden`).
+    auth_refused: Family<StatusLabel, Counter>,
     /// Generations by the local engine that ran them (quantization policy).
     pub engine_requests: Family<EngineLabel, Counter>,
     tool_collector: ToolCollector,
@@ -193,6 +195,7 @@ impl Default for Metrics {
             tool_routing: Family::default(),
             tools_removed: Counter::default(),
             agent_tasks: Family::default(),
+            auth_refused: Family::default(),
             engine_requests: Family::default(),
             tool_collector: ToolCollector::default(),
             node: NodeCollector::default(),
@@ -262,6 +265,11 @@ impl Default for Metrics {
             "tool_schemas_removed",
             "Tool schemas the router kept out of prompts",
             m.tools_removed.clone(),
+        );
+        registry.register(
+            "auth_refused",
+            "Requests refused for their API key: unauthenticated (none, or not this node's) or forbidden (a scope or tool the key lacks)",
+            m.auth_refused.clone(),
         );
         registry.register(
             "agent_tasks",
@@ -789,6 +797,21 @@ impl Metrics {
     /// tasks (first call wins).
     pub fn watch_node(&self, parts: NodeParts) {
         let _ = self.node.parts.set(parts);
+    }
+
+    /// Counts a request refused for its key: no valid key (`unauthenticated`) or a key
+    /// that may not do this (`forbidden`).
+    pub fn auth_refused(&self, unauthenticated: bool) {
+        let status = if unauthenticated {
+            "unauthenticated"
+        } else {
+            "forbidden"
+        };
+        self.auth_refused
+            .get_or_create(&StatusLabel {
+                status: status.into(),
+            })
+            .inc();
     }
 
     /// Counts a finished HTTP request.

@@ -562,3 +562,67 @@ async fn agents_with_the_same_tools_share_prefix_pages() {
         );
     }
 }
+
+fn story(extra: Value) -> Value {
+    let mut body = json!({"model": "t1", "max_tokens": 24, "ignore_eos": true,
+        "prompt": "<|user|>Tell me a short story about a lighthouse.<|end|><|assistant|>"});
+    for (k, v) in extra.as_object().unwrap() {
+        body[k] = v.clone();
+    }
+    body
+}
+
+fn completions_url(base: &str) -> String {
+    format!("{base}/v1/completions")
+}
+
+/// The generated text (24 tokens: never empty).
+fn text_of(v: &Value) -> String {
+    let t = v["choices"][0]["text"]
+        .as_str()
+        .unwrap_or_else(|| panic!("no text: {v}"));
+    assert!(!t.is_empty(), "{v}");
+    t.to_owned()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn unseeded_sampled_requests_get_seeds_of_their_own() {
+    let c = reqwest::Client::new();
+    let mut seeds = std::collections::HashSet::new();
+    let mut texts = std::collections::HashSet::new();
+    for _ in 0..4 {
+        let url = completions_url(&shared());
+        let (status, _, v) = post(&c, url, story(json!({"temperature": 1.0}))).await;
+        assert_eq!(status, 200, "{v}");
+        seeds.insert(v["mesh"]["seed"].as_u64().expect("mesh.seed"));
+        texts.insert(text_of(&v));
+    }
+    assert_eq!(seeds.len(), 4, "{seeds:?}");
+    assert!(
+        texts.len() > 1,
+        "four unseeded requests drew the same text: {texts:?}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sending_the_seed_back_repeats_the_draws() {
+    // A node of its own: no other sequence shares its batches.
+    let (base, _stop) = node(4, 1).await;
+    let url = completions_url(&base);
+    let c = reqwest::Client::new();
+    let (status, _, first) = post(&c, url.clone(), story(json!({"temperature": 1.0}))).await;
+    assert_eq!(status, 200, "{first}");
+    let seed = first["mesh"]["seed"].as_u64().expect("mesh.seed");
+    let (_, _, again) = post(&c, url, story(json!({"temperature": 1.0, "seed": seed}))).await;
+    assert_eq!(again["mesh"]["seed"].as_u64(), Some(seed));
+    assert_eq!(text_of(&again), text_of(&first));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_greedy_response_names_no_seed() {
+    let c = reqwest::Client::new();
+    let url = completions_url(&shared());
+    let (status, _, v) = post(&c, url, story(json!({"temperature": 0}))).await;
+    assert_eq!(status, 200, "{v}");
+    assert!(v["mesh"].get("seed").is_none(), "{v}");
+}

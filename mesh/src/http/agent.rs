@@ -8,7 +8,7 @@ use axum::body::Bytes;
 use axum::extract::State;
 use axum::response::sse::{Event, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
-use axum::Json;
+use axum::{Extension, Json};
 use serde::Deserialize;
 use serde_json::{json, Value};
 use tokio::sync::mpsc;
@@ -17,6 +17,7 @@ use tokio_stream::wrappers::ReceiverStream;
 use super::error::{parse_body, ApiError};
 use super::openai::{to_messages, to_tool_choice, InMessage, OutUsage};
 use super::HttpState;
+use crate::keys::Principal;
 use crate::service::agent::{AgentMessage, TaskEvent, TaskOutcome, TaskSpec};
 use mesh_tiers::chat::Role;
 
@@ -123,9 +124,14 @@ fn event_json(e: &TaskEvent) -> (&'static str, Value) {
 }
 
 /// `POST /v1/agent/tasks`.
-pub(crate) async fn create_task(State(state): State<HttpState>, body: Bytes) -> Response {
+pub(crate) async fn create_task(
+    State(state): State<HttpState>,
+    key: Option<Extension<Principal>>,
+    body: Bytes,
+) -> Response {
     const EP: &str = "/v1/agent/tasks";
-    let resp = match task_inner(&state, &body).await {
+    let key = key.map(|Extension(k)| k);
+    let resp = match task_inner(&state, key, &body).await {
         Ok(r) => r,
         Err(e) => e.into_response(),
     };
@@ -133,7 +139,11 @@ pub(crate) async fn create_task(State(state): State<HttpState>, body: Bytes) -> 
     resp
 }
 
-async fn task_inner(state: &HttpState, body: &[u8]) -> Result<Response, ApiError> {
+async fn task_inner(
+    state: &HttpState,
+    key: Option<Principal>,
+    body: &[u8],
+) -> Result<Response, ApiError> {
     if state.service.agent().is_none() {
         return Err(ApiError::bad_request(
             "this node has no agent layer configured",
@@ -152,6 +162,7 @@ async fn task_inner(state: &HttpState, body: &[u8]) -> Result<Response, ApiError
         max_tokens: r.max_tokens,
         reasoning_budget: r.reasoning_budget,
         speculate: r.speculate,
+        key,
     };
     if !r.stream {
         let t = state.service.agent_task(spec, None)?.await;

@@ -13,6 +13,16 @@ use crate::service::{Error, Kind};
 pub fn class(kind: Kind) -> (StatusCode, &'static str, Option<&'static str>) {
     match kind {
         Kind::InvalidRequest => (StatusCode::BAD_REQUEST, "invalid_request_error", None),
+        Kind::Unauthenticated => (
+            StatusCode::UNAUTHORIZED,
+            "invalid_request_error",
+            Some("invalid_api_key"),
+        ),
+        Kind::PermissionDenied => (
+            StatusCode::FORBIDDEN,
+            "permission_error",
+            Some("insufficient_permissions"),
+        ),
         Kind::ContextLengthExceeded => (
             StatusCode::BAD_REQUEST,
             "invalid_request_error",
@@ -79,6 +89,12 @@ impl IntoResponse for ApiError {
             },
         };
         let mut resp = (status, Json(body)).into_response();
+        if status == StatusCode::UNAUTHORIZED {
+            resp.headers_mut().insert(
+                header::WWW_AUTHENTICATE,
+                HeaderValue::from_static("Bearer realm=\"mesh\""),
+            );
+        }
         if let Some(s) = self.0.retry_after {
             resp.headers_mut()
                 .insert(header::RETRY_AFTER, HeaderValue::from(s));
@@ -118,6 +134,8 @@ mod tests {
     fn client_errors_and_server_errors_stay_apart() {
         for kind in [
             Kind::InvalidRequest,
+            Kind::Unauthenticated,
+            Kind::PermissionDenied,
             Kind::ContextLengthExceeded,
             Kind::ModelNotFound,
             Kind::RateLimited,

@@ -8,8 +8,12 @@
 //! `GET`/`PUT /v1/control/policy` ([`control`]); `GET /v1/models`, `GET /v1/cluster`,
 //! `GET /health`, `GET /ready`, `GET /metrics`, and `POST /v1/debug/crash` on a node started
 //! with fault injection ([`node`]).
+//!
+//! A node with API keys asks every `/v1` route but fault injection for one
+//! (`Authorization: Bearer`), with the scope the route needs ([`crate::keys`]).
 
 pub mod agent;
+mod auth;
 pub mod chat;
 pub mod control;
 pub mod error;
@@ -62,6 +66,8 @@ pub struct HttpState {
     pub placement: Option<mesh_control::placement::PlacementPlan>,
     /// Fault injection, when the node was started with it.
     pub faults: Option<Faults>,
+    /// API keys; `None`: no key is asked for.
+    pub keys: Option<Arc<crate::keys::Keys>>,
 }
 
 impl HttpState {
@@ -89,5 +95,9 @@ pub fn router(state: HttpState) -> Router {
         .route("/health", get(|| async { Json(json!({"status": "ok"})) }))
         .route("/ready", get(node::ready))
         .route("/metrics", get(node::metrics))
+        .layer(axum::middleware::from_fn_with_state(
+            state.clone(),
+            auth::require_key,
+        ))
         .with_state(state)
 }

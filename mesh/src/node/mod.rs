@@ -175,6 +175,7 @@ pub async fn start(
 ) -> anyhow::Result<Running> {
     cfg.resolve_drafts();
     cfg.validate()?;
+    let keys = load_keys(&cfg)?;
     let state = tuner::open_state(cfg.tuner.state_file.as_deref(), start_policy(&cfg))
         .map_err(anyhow::Error::msg)?;
     let live = Arc::new(LivePolicy::new(Snapshot::of(&state)));
@@ -442,6 +443,7 @@ pub async fn start(
         expected_tiers: engines.configured().map(str::to_owned).collect(),
         placement,
         faults,
+        keys,
     });
     if cfg.tuner.state_file.is_some() {
         spawn_sighup_reload(&tasks, tuner_slot);
@@ -459,6 +461,38 @@ pub async fn start(
         supervised,
         tasks,
     })
+}
+
+/// The node's API keys; `Err` when the file is unreadable or empty, or when the gateway
+/// would serve a non-loopback address without keys and `insecure_no_auth` is not set.
+fn load_keys(cfg: &NodeConfig) -> anyhow::Result<Option<Arc<crate::keys::Keys>>> {
+    let keys = match &cfg.auth.keys_file {
+        Some(path) => {
+            let keys = crate::keys::Keys::load(path).map_err(anyhow::Error::msg)?;
+            anyhow::ensure!(
+                !keys.is_empty(),
+                "{} holds no keys: make one with `mesh keys create --file {} --scope inference`",
+                path.display(),
+                path.display()
+            );
+            tracing::info!(keys = keys.len(), file = %path.display(), "API keys required on /v1");
+            Some(Arc::new(keys))
+        }
+        None => None,
+    };
+    if crate::keys::refuse_open_listen(cfg.listen.ip(), keys.is_some(), cfg.auth.insecure_no_auth) {
+        anyhow::bail!(
+            "refusing to serve {} without API keys: anyone who reaches it could change the policy and run tools. \
+             Make a key (`mesh keys create --scope inference`) and start with `--keys {}`, \
+             listen on 127.0.0.1, or pass --insecure-no-auth",
+            cfg.listen,
+            crate::keys::default_keys_file().display()
+        );
+    }
+    if keys.is_none() && !cfg.listen.ip().is_loopback() {
+        tracing::warn!(listen = %cfg.listen, "serving without API keys (--insecure-no-auth)");
+    }
+    Ok(keys)
 }
 
 /// On SIGHUP the tuner reads its policy state file again and puts the policy in force, as

@@ -27,7 +27,7 @@ use serde_json::{json, Value};
 use tokio::sync::mpsc;
 use tracing::{info_span, Instrument};
 
-use super::{CascadeStep, ChatCall, Error, Service, ToolChoice};
+use super::{CascadeStep, ChatCall, Error, Kind, Service, ToolChoice};
 use crate::config::AgentSettings;
 use crate::metrics::StatusLabel;
 
@@ -173,6 +173,9 @@ pub struct TaskSpec {
     pub reasoning_budget: Option<usize>,
     /// Speculative tool calls for this task (default: `[agent] speculate`).
     pub speculate: Option<bool>,
+    /// The API key the task came with, on a node with keys: only tools it may run are
+    /// offered (see [`crate::keys::Principal::may_run`]).
+    pub key: Option<crate::keys::Principal>,
 }
 
 /// A validated task.
@@ -334,16 +337,48 @@ impl TaskSpec {
                 "tools",
             ));
         }
+        // Tools the node runs (MCP) may have side effects; catalog tools are run by the
+        // client, so a key may always offer them.
+        let read_only = |n: &str| agent.hub.tool(n).is_none_or(|t| t.read_only);
+        let may_run = |n: &str| match (agent.hub.tool(n), &self.key) {
+            (Some(t), Some(k)) => k.may_run(n, t.read_only),
+            _ => true,
+        };
         let names: Vec<String> = match self.tools {
-            None => agent
-                .hub
-                .tools()
-                .iter()
-                .map(|t| t.name.clone())
-                .chain(agent.catalog.iter().map(|t| t.name.clone()))
-                .collect(),
+            None => {
+                let all: Vec<String> = agent
+                    .hub
+                    .tools()
+                    .iter()
+                    .map(|t| t.name.clone())
+                    .chain(agent.catalog.iter().map(|t| t.name.clone()))
+                    .collect();
+                let allowed: Vec<String> = all.into_iter().filter(|n| may_run(n)).collect();
+                if allowed.is_empty() {
+                    return Err(Error::new(
+                        Kind::PermissionDenied,
+                        "this API key may run none of this node's tools (a tool with side effects needs `mesh keys create --tools NAME`)",
+                    )
+                    .with_param("tools"));
+                }
+                allowed
+            }
             Some(v) if v.is_empty() => return Err(bad("`tools` must not be empty", "tools")),
-            Some(v) => v,
+            Some(v) => {
+                if let Some(n) = v.iter().find(|n| !may_run(n)) {
+                    let why = if read_only(n) {
+                        "it is not in the key's tool list"
+                    } else {
+                        "it has side effects and is not in the key's tool list"
+                    };
+                    return Err(Error::new(
+                        Kind::PermissionDenied,
+                        format!("this API key may not run tool `{n}`: {why}"),
+                    )
+                    .with_param("tools"));
+                }
+                v
+            }
         };
         let mut tools = Vec::with_capacity(names.len());
         let mut client_tools = HashSet::new();
@@ -493,12 +528,17 @@ impl Service {
                 };
                 let (service, agent, speculated) =
                     (self.clone(), agent.clone(), speculated.clone());
+                let offered: HashSet<String> = t.tools.iter().map(|s| s.name.clone()).collect();
                 tokio::spawn(
                     async move {
                         let Ok(c) = service.chat_turn(d).await else {
                             return;
                         };
+                        // Only tools the task offers (the key may run) are started early.
                         for c in c.output.tool_calls.iter().take(1) {
+                            if !offered.contains(&c.name) {
+                                continue;
+                            }
                             let (what, key) = agent.runner.speculate(&c.name, &c.arguments);
                             if what == Speculation::Started {
                                 speculated.lock().expect("not poisoned").push(key);
@@ -574,10 +614,19 @@ impl Service {
             let mut executed = vec![];
             for (cid, c) in calls {
                 let remaining = t.deadline.saturating_duration_since(Instant::now());
-                let res =
+                // A call of a tool the task does not offer (not the key's to run) never runs.
+                let offered = t.tools.iter().any(|s| s.name == c.name);
+                let res = if offered {
                     tokio::time::timeout(remaining, agent.runner.execute(&c.name, &c.arguments))
                         .instrument(info_span!("agent.tool", tool = %c.name))
-                        .await;
+                        .await
+                        .map(|r| r.map_err(|e| e.to_string()))
+                } else {
+                    Ok(Err(format!(
+                        "tool `{}` is not offered to this task; it did not run",
+                        c.name
+                    )))
+                };
                 let mut rec = ToolRecord {
                     id: cid.clone(),
                     name: c.name.clone(),
@@ -605,7 +654,7 @@ impl Service {
                         e.output.text
                     }
                     Ok(Err(e)) => {
-                        rec.error = Some(e.to_string());
+                        rec.error = Some(e.clone());
                         rec.is_error = Some(true);
                         format!("error: {e}")
                     }

@@ -143,6 +143,7 @@ impl Service {
                 cascade: steps,
                 router: routed,
                 engine: c.mesh.engine,
+                seed: c.mesh.seed,
                 ..MeshInfo::default()
             },
             events: Timed::new(rx, &policy.model, metrics, arrived),

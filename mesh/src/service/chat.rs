@@ -114,6 +114,17 @@ pub(crate) fn tool_plan(
     }
 }
 
+/// A seed for a sampled request that names none (in the range the sampler uses).
+fn random_seed() -> u64 {
+    // The OS's generator; if it fails, the clock's low bits still differ per request.
+    getrandom::u32().map(u64::from).unwrap_or_else(|_| {
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| u64::from(d.subsec_nanos()))
+            .unwrap_or(0)
+    })
+}
+
 /// Checks the sampling fields.
 pub(crate) fn sampling(s: &Sampling) -> Result<SamplingParams, Error> {
     let t = s.temperature.unwrap_or(0.0);
@@ -199,11 +210,13 @@ impl Job {
         router: Option<RouterInfo>,
         arrived: Instant,
     ) -> Reply {
+        let s = &self.req.sampling;
         Reply {
             mesh: MeshInfo {
                 tier: self.model.clone(),
                 router,
                 engine: self.engine,
+                seed: (s.temperature > 0.0).then_some(u64::from(s.seed)),
                 ..MeshInfo::default()
             },
             events: Timed::new(rx, &self.model, service.metrics().clone(), arrived),
@@ -506,6 +519,7 @@ impl Service {
         let deadline = self.deadline();
         let span = info_span!("gateway.chat", gen_ai.request.model = %call.model, gen_ai.operation.name = "chat",
             gen_ai.usage.input_tokens = tracing::field::Empty, mesh.tier = %call.model);
+        call.sampling.admit_seed(random_seed);
         async move {
             let routed = self.route_tools(&mut call, policy.router_top_k).await;
             if call.model == policy.cascade.model {
@@ -550,7 +564,8 @@ impl Service {
     }
 
     /// A raw completion.
-    pub async fn complete(&self, call: CompleteCall) -> Result<Reply, Error> {
+    pub async fn complete(&self, mut call: CompleteCall) -> Result<Reply, Error> {
+        call.sampling.admit_seed(random_seed);
         let arrived = Instant::now();
         let deadline = self.deadline();
         let span = info_span!("gateway.completions", gen_ai.request.model = %call.model, gen_ai.operation.name = "text_completion");

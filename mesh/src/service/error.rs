@@ -9,6 +9,10 @@ use mesh_tiers::TierError;
 pub enum Kind {
     /// The request is malformed or asks for something this node does not do.
     InvalidRequest,
+    /// No API key, or not one of this node's.
+    Unauthenticated,
+    /// The key may not do this (a scope it lacks, a tool it may not run).
+    PermissionDenied,
     /// Prompt + completion budget exceed the model's context.
     ContextLengthExceeded,
     /// No node knows the model.

@@ -39,6 +39,23 @@ pub struct Sampling {
     pub seed: Option<u64>,
 }
 
+impl Sampling {
+    /// Whether tokens are drawn at random (a temperature above 0).
+    pub fn is_sampled(&self) -> bool {
+        self.temperature.is_some_and(|t| t > 0.0)
+    }
+
+    /// Gives a sampled request without a seed the seed `fresh()` draws, once, at admission:
+    /// each such request then draws its own tokens, the response says which seed
+    /// (`mesh.seed`, to repeat it), and a re-run after a failover continues with the same
+    /// draws. Greedy requests and requests that name a seed are left as they are.
+    pub fn admit_seed(&mut self, fresh: impl FnOnce() -> u64) {
+        if self.seed.is_none() && self.is_sampled() {
+            self.seed = Some(fresh());
+        }
+    }
+}
+
 /// A chat completion call.
 #[derive(Debug, Clone, Default)]
 pub struct ChatCall {
@@ -143,6 +160,10 @@ pub struct MeshInfo {
     /// peer served it.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub engine: Option<EngineInfo>,
+    /// Sampled requests: the seed the tokens were drawn with (the request's, or the one
+    /// chosen at admission); sending it back repeats the draws.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub seed: Option<u64>,
 }
 
 /// A finished completion.
@@ -237,5 +258,44 @@ impl Reply {
         Err(super::Error::unavailable(
             "the tier stopped before finishing",
         ))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Sampling;
+
+    fn sampled(seed: Option<u64>) -> Sampling {
+        Sampling {
+            temperature: Some(1.0),
+            seed,
+            ..Sampling::default()
+        }
+    }
+
+    #[test]
+    fn an_unseeded_sampled_request_gets_the_fresh_seed() {
+        let mut s = sampled(None);
+        s.admit_seed(|| 42);
+        assert_eq!(s.seed, Some(42));
+    }
+
+    #[test]
+    fn a_seed_the_request_names_is_kept() {
+        let mut s = sampled(Some(7));
+        s.admit_seed(|| 42);
+        assert_eq!(s.seed, Some(7));
+    }
+
+    #[test]
+    fn a_greedy_request_gets_no_seed() {
+        for t in [None, Some(0.0)] {
+            let mut s = Sampling {
+                temperature: t,
+                ..Sampling::default()
+            };
+            s.admit_seed(|| 42);
+            assert_eq!(s.seed, None, "{t:?}");
+        }
     }
 }
