@@ -151,18 +151,28 @@ async fn a_drafted_tier_answers_like_the_tier_alone() {
         let want = chat(&c, &plain, &request(q)).await;
         let got = chat(&c, &spec, &request(q)).await;
         assert_eq!(message(&got), message(&want), "{q}");
-        assert_eq!(got["choices"][0]["finish_reason"], want["choices"][0]["finish_reason"]);
+        assert_eq!(
+            got["choices"][0]["finish_reason"],
+            want["choices"][0]["finish_reason"]
+        );
         assert_eq!(got["usage"], want["usage"], "{q}");
         assert!(want["mesh"].get("speculative").is_none());
         let s = &got["mesh"]["speculative"];
-        let (d, a) = (s["draft_tokens"].as_u64().unwrap(), s["accepted_tokens"].as_u64().unwrap());
+        let (d, a) = (
+            s["draft_tokens"].as_u64().unwrap(),
+            s["accepted_tokens"].as_u64().unwrap(),
+        );
         assert!(d > 0 && a <= d, "{q}: drafted {d}, accepted {a}");
         drafted += d;
 
         // Streamed: the same deltas as the plain node's.
         let want_stream = streamed(&c, &plain, &request(q)).await;
         assert!(!want_stream.is_empty());
-        assert_eq!(streamed(&c, &spec, &request(q)).await, want_stream, "{q} streamed");
+        assert_eq!(
+            streamed(&c, &spec, &request(q)).await,
+            want_stream,
+            "{q} streamed"
+        );
     }
 
     // Tools offered: the lazy tool-call grammar constrains every verified token, and the
@@ -177,7 +187,10 @@ async fn a_drafted_tier_answers_like_the_tier_alone() {
         "the tools request made a call: {want}"
     );
     let s = &got["mesh"]["speculative"];
-    assert!(s["draft_tokens"].as_u64().unwrap() > 0, "grammar requests draft: {s}");
+    assert!(
+        s["draft_tokens"].as_u64().unwrap() > 0,
+        "grammar requests draft: {s}"
+    );
     drafted += s["draft_tokens"].as_u64().unwrap();
 
     let m = |base: &str| {
@@ -186,10 +199,16 @@ async fn a_drafted_tier_answers_like_the_tier_alone() {
         async move { c.get(url).send().await.unwrap().text().await.unwrap() }
     };
     let (mp, ms) = (m(&plain).await, m(&spec).await);
-    assert!(counter(&mp, "mesh_spec_draft_tokens_total").is_none(), "no draft, no series");
+    assert!(
+        counter(&mp, "mesh_spec_draft_tokens_total").is_none(),
+        "no draft, no series"
+    );
     let total = counter(&ms, "mesh_spec_draft_tokens_total").expect("draft counter");
     let accepted = counter(&ms, "mesh_spec_accepted_tokens_total").expect("accepted counter");
     // The streamed requests drafted too, so the counter is at least the non-streamed sum.
-    assert!(total >= drafted as f64 && total > 0.0, "{total} vs {drafted}");
+    assert!(
+        total >= drafted as f64 && total > 0.0,
+        "{total} vs {drafted}"
+    );
     assert!(accepted > 0.0 && accepted <= total);
 }

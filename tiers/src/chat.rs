@@ -264,7 +264,10 @@ fn json_then_end(text: &str) -> Option<usize> {
     let mut values = serde_json::Deserializer::from_str(text).into_iter::<Value>();
     values.next()?.ok()?;
     let len = values.byte_offset();
-    text[len..].trim_start().starts_with(END_CALL).then_some(len)
+    text[len..]
+        .trim_start()
+        .starts_with(END_CALL)
+        .then_some(len)
 }
 
 fn parse_call(body: &str) -> Option<ToolCall> {

@@ -193,7 +193,10 @@ pub fn accept_sampled(p: &[(i32, f32)], q: &[(i32, f32)], x: i32, u: f32, v: f32
         (pick(&residual, total), false)
     } else {
         // p == q up to rounding: the residual is empty, p itself is the right law.
-        (pick(&|e: &(i32, f32)| e.1, p.iter().map(|e| e.1).sum()), false)
+        (
+            pick(&|e: &(i32, f32)| e.1, p.iter().map(|e| e.1).sum()),
+            false,
+        )
     }
 }
 
@@ -523,13 +526,21 @@ mod tests {
         assert_eq!(next_k(4, 4, 2, 1, 12), 4);
         assert_eq!(next_k(4, 4, 1, 1, 12), 3);
         assert_eq!(next_k(1, 1, 0, 1, 12), 1);
-        assert_eq!(next_k(4, 0, 0, 1, 12), 4, "a round without drafts changes nothing");
+        assert_eq!(
+            next_k(4, 0, 0, 1, 12),
+            4,
+            "a round without drafts changes nothing"
+        );
     }
 
     #[test]
     fn drafts_stay_within_budget_and_cells() {
         assert_eq!(draft_len(4, 100, 100), 4);
-        assert_eq!(draft_len(4, 3, 100), 2, "the target's own token needs one of the 3");
+        assert_eq!(
+            draft_len(4, 3, 100),
+            2,
+            "the target's own token needs one of the 3"
+        );
         assert_eq!(draft_len(4, 1, 100), 0);
         assert_eq!(draft_len(4, 0, 100), 0);
         assert_eq!(draft_len(4, 100, 2), 2);
@@ -566,7 +577,10 @@ mod tests {
             *counts.entry(t).or_insert(0usize) += 1;
             kept += hit as usize;
         }
-        let freq = counts.into_iter().map(|(t, c)| (t, c as f64 / n as f64)).collect();
+        let freq = counts
+            .into_iter()
+            .map(|(t, c)| (t, c as f64 / n as f64))
+            .collect();
         (freq, kept as f64 / n as f64)
     }
 
@@ -580,9 +594,15 @@ mod tests {
         let (freq, kept) = trials(&p, &q, n);
         for &(t, want) in &p {
             let got = freq.iter().find(|e| e.0 == t).map_or(0.0, |e| e.1);
-            assert!((got - want as f64).abs() < 0.005, "token {t}: {got} vs {want}");
+            assert!(
+                (got - want as f64).abs() < 0.005,
+                "token {t}: {got} vs {want}"
+            );
         }
-        assert!(freq.iter().all(|e| e.0 != 9), "a token the target gives no mass is never emitted");
+        assert!(
+            freq.iter().all(|e| e.0 != 9),
+            "a token the target gives no mass is never emitted"
+        );
         // Kept with probability sum min(p, q) = 0.3 + 0.2 + 0.1 = 0.6; exact match would keep
         // sum p * q = 0.15 + 0.08 + 0.01 = 0.24.
         assert!((kept - 0.6).abs() < 0.005, "kept {kept}");
@@ -596,7 +616,13 @@ mod tests {
         assert!((freq[0].1 - 0.7).abs() < 0.01, "{freq:?}");
         // A one-hot target (greedy after top-k 1, or a grammar leaving one token) keeps
         // the draft only when it is that token.
-        assert_eq!(accept_sampled(&[(5, 1.0)], &[(5, 0.5), (6, 0.5)], 6, 0.0, 0.9), (5, false));
-        assert_eq!(accept_sampled(&[(5, 1.0)], &[(5, 0.5), (6, 0.5)], 5, 0.99, 0.9), (5, true));
+        assert_eq!(
+            accept_sampled(&[(5, 1.0)], &[(5, 0.5), (6, 0.5)], 6, 0.0, 0.9),
+            (5, false)
+        );
+        assert_eq!(
+            accept_sampled(&[(5, 1.0)], &[(5, 0.5), (6, 0.5)], 5, 0.99, 0.9),
+            (5, true)
+        );
     }
 }

@@ -23,8 +23,8 @@ use mesh_tiers::chat::CALL;
 use mesh_tiers::grammar::tool_call_grammar;
 use mesh_tiers::speculative::{greedy, SpecConfig, Speculative};
 use mesh_tiers::{
-    backend, DraftAcceptance, DraftConfig, Engine, EngineConfig, FinishReason, GenerateRequest, SamplingParams,
-    TokenEvent, Usage,
+    backend, DraftAcceptance, DraftConfig, Engine, EngineConfig, FinishReason, GenerateRequest,
+    SamplingParams, TokenEvent, Usage,
 };
 use serde::Deserialize;
 
@@ -222,14 +222,18 @@ async fn serving_engine_with_a_draft_gives_the_targets_tokens() {
     // A request offering tools, with the gateway's lazy tool-call grammar.
     let tasks = mesh_tiers::eval::load_tasks(&models_dir().join("fixtures/eval-heldout.jsonl"))
         .expect("held-out tasks");
-    let call = tasks.iter().find(|t| t.kind == "call").expect("a call task");
+    let call = tasks
+        .iter()
+        .find(|t| t.kind == "call")
+        .expect("a call task");
     let grammar = tool_call_grammar(&mesh_tiers::eval::offered_tools(&call.prompt)).unwrap();
     let with_grammar = GenerateRequest {
         grammar: Some(grammar),
         grammar_trigger: Some(CALL.to_owned()),
         ..greedy_req(&plain.tokenize(&call.prompt), MAX_TOKENS)
     };
-    let mut reqs: Vec<GenerateRequest> = prompts.iter().map(|p| greedy_req(p, MAX_TOKENS)).collect();
+    let mut reqs: Vec<GenerateRequest> =
+        prompts.iter().map(|p| greedy_req(p, MAX_TOKENS)).collect();
     reqs.push(sampled);
     reqs.push(with_grammar);
 
@@ -238,7 +242,10 @@ async fn serving_engine_with_a_draft_gives_the_targets_tokens() {
     let got = all(&spec, reqs).await;
     let (mut drafted, mut accepted) = (0, 0);
     for (i, (w, g)) in want.iter().zip(&got).enumerate() {
-        assert_eq!(g.tokens, w.tokens, "request {i}: tokens differ from t3 alone");
+        assert_eq!(
+            g.tokens, w.tokens,
+            "request {i}: tokens differ from t3 alone"
+        );
         assert_eq!(g.text, w.text, "request {i}: text differs");
         assert_eq!(g.finish, w.finish, "request {i}: finish differs");
         assert_eq!(w.usage.draft_tokens, 0, "no draft, no drafted tokens");
@@ -246,7 +253,10 @@ async fn serving_engine_with_a_draft_gives_the_targets_tokens() {
         accepted += g.usage.draft_accepted;
     }
     let called = &got.last().expect("the grammar request").text;
-    assert!(called.contains(CALL), "the grammar request made a call: {called}");
+    assert!(
+        called.contains(CALL),
+        "the grammar request made a call: {called}"
+    );
     assert!(
         got.iter().all(|o| o.usage.draft_tokens > 0),
         "every request drafted, the sampled and the grammar one included"
@@ -257,23 +267,35 @@ async fn serving_engine_with_a_draft_gives_the_targets_tokens() {
     );
     let stats = spec.stats();
     assert_eq!(
-        stats.draft_tokens.load(std::sync::atomic::Ordering::Relaxed) as usize,
+        stats
+            .draft_tokens
+            .load(std::sync::atomic::Ordering::Relaxed) as usize,
         drafted
     );
     assert_eq!(
-        stats.draft_accepted.load(std::sync::atomic::Ordering::Relaxed) as usize,
+        stats
+            .draft_accepted
+            .load(std::sync::atomic::Ordering::Relaxed) as usize,
         accepted
     );
     // Fewer target decodes than tokens: the point of drafting.
     let steps = |e: &Engine| e.stats().steps.load(std::sync::atomic::Ordering::Relaxed);
-    assert!(steps(&spec) < steps(&plain), "drafting saves target decodes");
+    assert!(
+        steps(&spec) < steps(&plain),
+        "drafting saves target decodes"
+    );
 
     // max_tokens and stop strings end a sequence inside a round, with the target's prefix.
     let long = &want[1];
     let short = run(spec.submit(greedy_req(&prompts[1], 5)).unwrap()).await;
     assert_eq!(short.tokens, long.tokens[..5]);
     assert_eq!(short.finish, Some(FinishReason::Length));
-    let cut = long.text.char_indices().nth(long.text.chars().count() / 2).unwrap().0;
+    let cut = long
+        .text
+        .char_indices()
+        .nth(long.text.chars().count() / 2)
+        .unwrap()
+        .0;
     let stop: String = long.text[cut..].chars().take(3).collect();
     let head = &long.text[..long.text.find(&stop).unwrap()];
     let mut stopped_req = greedy_req(&prompts[1], MAX_TOKENS);
@@ -288,7 +310,14 @@ async fn serving_engine_with_a_draft_gives_the_targets_tokens() {
     let mut rx = spec.submit(greedy_req(&prompts[2], MAX_TOKENS)).unwrap();
     while !matches!(rx.recv().await, Some(TokenEvent::Token { .. })) {}
     drop(rx);
-    let again = all(&spec, prompts[..4].iter().map(|p| greedy_req(p, MAX_TOKENS)).collect()).await;
+    let again = all(
+        &spec,
+        prompts[..4]
+            .iter()
+            .map(|p| greedy_req(p, MAX_TOKENS))
+            .collect(),
+    )
+    .await;
     for (i, (w, g)) in want.iter().zip(&again).enumerate() {
         assert_eq!(g.tokens, w.tokens, "request {i} after a cancellation");
     }
@@ -323,8 +352,14 @@ async fn serving_engine_with_a_draft_gives_the_targets_tokens() {
     assert!(n >= 16, "long enough to tell: {n} tokens");
     assert!(capped.usage.draft_tokens > 0 && capped.usage.draft_tokens as u64 <= n);
     // Prefill takes one or two steps; every later step emits at most cap + 1 tokens.
-    assert!(2 * capped_steps + 4 >= n, "{capped_steps} steps for {n} tokens with one draft a round");
-    assert!(free_steps < capped_steps, "uncapped: {free_steps} steps, capped {capped_steps}");
+    assert!(
+        2 * capped_steps + 4 >= n,
+        "{capped_steps} steps for {n} tokens with one draft a round"
+    );
+    assert!(
+        free_steps < capped_steps,
+        "uncapped: {free_steps} steps, capped {capped_steps}"
+    );
 }
 
 /// A conversation's next turn on a drafted tier: the slot keeps the turn's KV in both
@@ -338,20 +373,31 @@ async fn the_next_turn_reuses_the_drafts_kept_kv() {
     let turn1 = run(spec.submit(greedy_req(&p1, 24)).unwrap()).await;
     let want1 = run(plain.submit(greedy_req(&p1, 24)).unwrap()).await;
     assert_eq!(turn1.tokens, want1.tokens);
-    let follow = plain.tokenize("<|end|><|user|>Now the same for Rome, please.<|end|><|assistant|>");
+    let follow =
+        plain.tokenize("<|end|><|user|>Now the same for Rome, please.<|end|><|assistant|>");
     let p2 = [p1.clone(), turn1.tokens.clone(), follow[1..].to_vec()].concat();
 
     let stats = spec.stats();
     let load = |c: &std::sync::atomic::AtomicU64| c.load(std::sync::atomic::Ordering::Relaxed);
-    let (fed0, kept0) = (load(&stats.draft_prefill_tokens), load(&stats.draft_resident_tokens));
+    let (fed0, kept0) = (
+        load(&stats.draft_prefill_tokens),
+        load(&stats.draft_resident_tokens),
+    );
     let turn2 = run(spec.submit(greedy_req(&p2, 24)).unwrap()).await;
     let fed = (load(&stats.draft_prefill_tokens) - fed0) as usize;
     let kept = (load(&stats.draft_resident_tokens) - kept0) as usize;
     let want2 = run(plain.submit(greedy_req(&p2, 24)).unwrap()).await;
-    assert_eq!(turn2.tokens, want2.tokens, "turn 2 tokens differ from t3 alone");
+    assert_eq!(
+        turn2.tokens, want2.tokens,
+        "turn 2 tokens differ from t3 alone"
+    );
     assert!(turn2.usage.draft_tokens > 0, "turn 2 drafted");
     // The first turn's prompt stays in both KVs, and its answer up to the last round.
-    assert!(kept >= p1.len(), "draft kept {kept} tokens of a {}-token first turn", p1.len());
+    assert!(
+        kept >= p1.len(),
+        "draft kept {kept} tokens of a {}-token first turn",
+        p1.len()
+    );
     // The draft fed the new prompt tokens and, per round, the target's own token: far
     // less than the whole prompt.
     assert!(
@@ -360,7 +406,11 @@ async fn the_next_turn_reuses_the_drafts_kept_kv() {
         p2.len(),
         turn2.tokens.len()
     );
-    assert!(fed * 2 < p2.len(), "draft fed {fed} of a {}-token prompt", p2.len());
+    assert!(
+        fed * 2 < p2.len(),
+        "draft fed {fed} of a {}-token prompt",
+        p2.len()
+    );
 }
 
 /// The distribution a sampled request draws its next token from after `tokens` on
@@ -401,7 +451,11 @@ fn total_variation(a: &[(i32, f32)], b: &[(i32, f32)]) -> f64 {
     let mut tokens: Vec<i32> = a.iter().chain(b).map(|e| e.0).collect();
     tokens.sort_unstable();
     tokens.dedup();
-    tokens.iter().map(|&t| (prob(a, t) - prob(b, t)).abs()).sum::<f64>() / 2.0
+    tokens
+        .iter()
+        .map(|&t| (prob(a, t) - prob(b, t)).abs())
+        .sum::<f64>()
+        / 2.0
 }
 
 /// Rejection sampling (the default acceptance) keeps the target's distribution: many seeded
@@ -436,8 +490,14 @@ async fn rejection_sampling_follows_the_targets_distribution() {
     let min_pq: f64 = p.iter().map(|&(t, x)| f64::from(x).min(prob(&q, t))).sum();
     let pq: f64 = p.iter().map(|&(t, x)| f64::from(x) * prob(&q, t)).sum();
     eprintln!("first token {first} p {p_first:.3}; p {p:?}; q {q:?}; tv {gap:.3}; sum min {min_pq:.3}; sum pq {pq:.3}");
-    assert!(p_first >= 0.3, "the first token should mostly be one: {p_first}");
-    assert!(gap >= 0.25, "t1 and t3 should differ at the drafted position: tv {gap}");
+    assert!(
+        p_first >= 0.3,
+        "the first token should mostly be one: {p_first}"
+    );
+    assert!(
+        gap >= 0.25,
+        "t1 and t3 should differ at the drafted position: tv {gap}"
+    );
 
     let reqs: Vec<GenerateRequest> = (0..N)
         .map(|seed| GenerateRequest {
@@ -450,8 +510,15 @@ async fn rejection_sampling_follows_the_targets_distribution() {
     for wave in reqs.chunks(32) {
         outs.extend(all(&spec, wave.to_vec()).await);
     }
-    let cond: Vec<&Out> = outs.iter().filter(|o| o.tokens.len() >= 2 && o.tokens[0] == first).collect();
-    assert!(cond.len() as f64 >= f64::from(N) * f64::from(p_first) * 0.7, "{} of {N}", cond.len());
+    let cond: Vec<&Out> = outs
+        .iter()
+        .filter(|o| o.tokens.len() >= 2 && o.tokens[0] == first)
+        .collect();
+    assert!(
+        cond.len() as f64 >= f64::from(N) * f64::from(p_first) * 0.7,
+        "{} of {N}",
+        cond.len()
+    );
     let mut seen: Vec<(i32, f32)> = Vec::new();
     for o in &cond {
         assert_eq!(o.usage.draft_tokens, 1, "one draft: at the second token");
@@ -465,11 +532,25 @@ async fn rejection_sampling_follows_the_targets_distribution() {
     }
     seen.sort_unstable_by_key(|e| e.0);
     let off = total_variation(&seen, &p);
-    let kept = cond.iter().map(|o| o.usage.draft_accepted).sum::<usize>() as f64 / cond.len() as f64;
-    eprintln!("{} samples: tv to t3 {off:.3}, to t1 {:.3}; kept {kept:.3}", cond.len(), total_variation(&seen, &q));
-    assert!(off < 0.1 && off < gap / 2.0, "second token {seen:?} vs t3 {p:?}: tv {off}");
-    assert!(seen.iter().all(|e| prob(&p, e.0) > 0.0), "only tokens t3 may draw");
-    assert!((kept - min_pq).abs() < 0.1, "kept {kept}, speculative sampling predicts {min_pq}");
+    let kept =
+        cond.iter().map(|o| o.usage.draft_accepted).sum::<usize>() as f64 / cond.len() as f64;
+    eprintln!(
+        "{} samples: tv to t3 {off:.3}, to t1 {:.3}; kept {kept:.3}",
+        cond.len(),
+        total_variation(&seen, &q)
+    );
+    assert!(
+        off < 0.1 && off < gap / 2.0,
+        "second token {seen:?} vs t3 {p:?}: tv {off}"
+    );
+    assert!(
+        seen.iter().all(|e| prob(&p, e.0) > 0.0),
+        "only tokens t3 may draw"
+    );
+    assert!(
+        (kept - min_pq).abs() < 0.1,
+        "kept {kept}, speculative sampling predicts {min_pq}"
+    );
     assert!(kept > pq + 0.05, "kept {kept}, exact match would keep {pq}");
 }
 
