@@ -74,7 +74,7 @@ if ! command -v cargo >/dev/null 2>&1; then
     die "cargo not found. Install the Rust toolchain with rustup (https://rustup.rs):
     curl --proto '=https' --tlsv1.2 -sSf https://sh.rustup.rs | sh -s -- -y
     . \"\$HOME/.cargo/env\"
-then run scripts/setup.sh again (Rust 1.85 or newer)."
+then run scripts/setup.sh again (Rust 1.88 or newer)."
 fi
 say "rust: $(cargo --version)"
 

@@ -775,18 +775,18 @@ impl Cluster {
         })
     }
 
-    /// Tokenizes `text` with tier `model` on `node`.
+    /// Tokenizes the prompt `parts` with tier `model` on `node`.
     ///
     /// Cancel safety: cancel-safe.
     pub async fn tokenize(
         &self,
         node: &str,
         model: &str,
-        text: &str,
+        parts: &[mesh_tiers::chat::PromptPart],
     ) -> Result<Vec<i32>, CallError> {
         let call = TierCall::Tokenize {
             model: model.to_owned(),
-            text: text.to_owned(),
+            parts: parts.iter().map(Into::into).collect(),
         };
         match self
             .ask::<crate::tier::TierProtocol>(node, &call, self.inner.cfg.call_timeout)

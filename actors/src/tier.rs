@@ -28,10 +28,11 @@ pub enum TierMsg {
     },
     /// Report model facts and live counters.
     Describe(RpcReplyPort<TierDescription>),
-    /// Tokenize text (special tokens parsed, BOS added when the model wants it).
+    /// Tokenize a prompt (template parts with control tokens, content parts as plain text;
+    /// BOS added when the model wants it).
     Tokenize {
-        /// Text.
-        text: String,
+        /// The prompt.
+        parts: Vec<mesh_tiers::chat::PromptPart>,
         /// Token ids.
         reply: RpcReplyPort<Vec<i32>>,
     },
@@ -136,8 +137,8 @@ impl Actor for TierActor {
                     pages: engine.pages().cloned(),
                 });
             }
-            TierMsg::Tokenize { text, reply } => {
-                let _ = reply.send(engine.tokenize(&text));
+            TierMsg::Tokenize { parts, reply } => {
+                let _ = reply.send(engine.tokenize_parts(&parts));
             }
             TierMsg::EngineExited => {
                 return Err(format!("engine {} thread exited", engine.info().name).into());

@@ -199,13 +199,40 @@ pub enum Answer<T> {
 pub enum TierCall {
     /// Generate tokens; answered by [`TierItem::Event`]s.
     Generate(GenerateCall),
-    /// Tokenize text with a tier's tokenizer; answered by one [`TierItem::Tokens`].
+    /// Tokenize a prompt with a tier's tokenizer; answered by one [`TierItem::Tokens`].
     Tokenize {
         /// Tier name.
         model: String,
-        /// Text.
-        text: String,
+        /// The prompt's parts.
+        parts: Vec<PromptPart>,
     },
+}
+
+/// One part of a prompt to tokenize (`mesh_tiers::chat::PromptPart` on the wire).
+#[derive(Archive, Serialize, Deserialize, Debug, Clone, PartialEq)]
+pub struct PromptPart {
+    /// The text.
+    pub text: String,
+    /// Template text (control tokens parsed) rather than content (plain text only).
+    pub special: bool,
+}
+
+impl From<&mesh_tiers::chat::PromptPart> for PromptPart {
+    fn from(p: &mesh_tiers::chat::PromptPart) -> Self {
+        Self {
+            text: p.text.clone(),
+            special: p.special,
+        }
+    }
+}
+
+impl From<PromptPart> for mesh_tiers::chat::PromptPart {
+    fn from(p: PromptPart) -> Self {
+        Self {
+            text: p.text,
+            special: p.special,
+        }
+    }
 }
 
 /// Answers of a tier actor.

@@ -24,6 +24,7 @@ mod report;
 mod server;
 mod sessions;
 mod sidebyside;
+mod soak;
 mod stats;
 mod transport;
 mod workload;
@@ -56,6 +57,9 @@ enum Command {
     /// Multi-turn agent sessions, each turn sending the whole conversation so far: TTFT per
     /// turn, total time and prompt reuse, mesh (KV pages) vs llama-server (prompt cache).
     Sessions(sessions::SessionsArgs),
+    /// A long mixed workload (chat, streams, agent tasks, bad requests, dropped clients)
+    /// against one node: errors, RSS and open descriptors over time.
+    Soak(soak::SoakArgs),
     /// The results page (docs/benchmarks.md) with PNG plots, from decode and sessions JSONs.
     Report(page::ReportArgs),
 }
@@ -70,6 +74,7 @@ async fn main() -> anyhow::Result<()> {
         Command::Fabric(args) => fabric::run(args).await,
         Command::Mooncake(args) => mooncake::run(args).await,
         Command::Sessions(args) => sessions::run(args).await,
+        Command::Soak(args) => soak::run(args).await,
         Command::Report(args) => page::run(args),
     }
 }

@@ -285,6 +285,11 @@ pub fn parse(blob: &[u8]) -> Result<SeqKv, CodecError> {
             } else {
                 let el = r.u32()? as usize;
                 let n_embd = r.u32()? as usize;
+                // Zero-sized elements would make the loop below run `n_embd` (up to 2^32)
+                // times over no data; no ggml type has them.
+                if el == 0 {
+                    return Err(CodecError::Malformed("V element size 0".into()));
+                }
                 let data = r.take(
                     n.checked_mul(el)
                         .and_then(|x| x.checked_mul(n_embd))
@@ -518,6 +523,27 @@ mod tests {
         for i in 0..2 {
             assert_eq!(shuffled.page(i, 4), sorted.page(i, 4));
         }
+    }
+
+    /// Found by the `page_decode` fuzz target (a timeout): a transposed V layer of 0-byte
+    /// elements and 2^32 - 1 components needs no data, and parsing spun over the components.
+    #[test]
+    fn zero_sized_v_elements_are_refused() {
+        let mut b = vec![];
+        for x in [STATE_MAGIC, 0, 1, 1, 0, 1, 0, 1, 1, 0, 0, 0] {
+            b.extend_from_slice(&x.to_le_bytes());
+        }
+        b.extend_from_slice(&1u64.to_le_bytes()); // K row: 1 byte
+        b.push(7);
+        for x in [0, 0, u32::MAX] {
+            b.extend_from_slice(&x.to_le_bytes()); // V: type, element bytes, components
+        }
+        let t = std::time::Instant::now();
+        assert_eq!(
+            parse(&b).unwrap_err(),
+            CodecError::Malformed("V element size 0".into())
+        );
+        assert!(t.elapsed() < std::time::Duration::from_secs(1));
     }
 
     #[test]

@@ -4,11 +4,15 @@
 //! 0       4     6     8          40           72       76       80         88          120
 //! ┌───────┬─────┬─────┬──────────┬────────────┬────────┬────────┬──────────┬───────────┬─────────┐
 //! │ MKVP  │ ver │ 0   │ page_id  │ salt       │ block  │ index  │ len u64  │ blake3 of │ payload │
-//! │       │ u16 │ u16 │ 32 B     │ 32 B       │ u32    │ u32    │          │ payload   │         │
+//! │       │ u16 │ u16 │ 32 B     │ 32 B       │ u32    │ u32    │          │ 0..88 and │         │
+//! │       │     │     │          │            │        │        │          │ payload   │         │
 //! └───────┴─────┴─────┴──────────┴────────────┴────────┴────────┴──────────┴───────────┴─────────┘
 //! ```
 //! The salt covers model fingerprint, KV layout and access scope: a page is only
-//! accepted by a reader with the same salt and id, and only if its checksum holds.
+//! accepted by a reader with the same salt and id, and only if its checksum holds. The
+//! checksum covers the header before it as well as the payload, so a damaged `block` or
+//! `index` is refused too (version 1 hashed the payload only; its pages are refused as
+//! [`PageError::Format`], a miss, and recomputed).
 
 use bytes::{BufMut, Bytes, BytesMut};
 
@@ -16,8 +20,8 @@ use crate::id::{PageId, Salt};
 
 /// Magic of a stored page.
 pub const PAGE_MAGIC: [u8; 4] = *b"MKVP";
-/// Page format version.
-pub const PAGE_VERSION: u16 = 1;
+/// Page format version (2: the checksum covers the header).
+pub const PAGE_VERSION: u16 = 2;
 /// Header bytes.
 pub const HEADER_LEN: usize = 120;
 
@@ -59,9 +63,18 @@ pub fn encode(meta: &PageMeta, payload: &[u8]) -> Bytes {
     b.put_u32_le(meta.block);
     b.put_u32_le(meta.index);
     b.put_u64_le(payload.len() as u64);
-    b.put_slice(blake3::hash(payload).as_bytes());
+    let sum = checksum(&b, payload);
+    b.put_slice(sum.as_bytes());
     b.put_slice(payload);
     b.freeze()
+}
+
+/// blake3 of the header fields before the checksum (bytes `0..88`) and the payload.
+fn checksum(head: &[u8], payload: &[u8]) -> blake3::Hash {
+    let mut h = blake3::Hasher::new();
+    h.update(&head[..88]);
+    h.update(payload);
+    h.finalize()
 }
 
 /// The salt a stored page's header names (unchecked), or `None` when it is no page.
@@ -85,12 +98,13 @@ pub fn decode(bytes: &Bytes, id: &PageId, salt: &Salt) -> Result<(PageMeta, Byte
     }
     let block = u32::from_le_bytes(bytes[72..76].try_into().expect("4"));
     let index = u32::from_le_bytes(bytes[76..80].try_into().expect("4"));
-    let len = u64::from_le_bytes(bytes[80..88].try_into().expect("8")) as usize;
-    if bytes.len() != HEADER_LEN + len {
+    // Compared as u64: `HEADER_LEN + len` overflows for a length field near 2^64.
+    let len = u64::from_le_bytes(bytes[80..88].try_into().expect("8"));
+    if (bytes.len() - HEADER_LEN) as u64 != len {
         return Err(PageError::Corrupt("length"));
     }
     let payload = bytes.slice(HEADER_LEN..);
-    if blake3::hash(&payload).as_bytes() != &bytes[88..120] {
+    if checksum(bytes, &payload).as_bytes() != &bytes[88..120] {
         return Err(PageError::Corrupt("checksum"));
     }
     Ok((
@@ -141,6 +155,58 @@ mod tests {
         );
         assert_eq!(
             decode(&page.slice(..10), &meta.id, &meta.salt),
+            Err(PageError::Format)
+        );
+    }
+
+    /// Found by the `page_decode` fuzz target: a length field near 2^64 overflowed
+    /// `HEADER_LEN + len` (a panic where overflow checks are on, as in debug builds).
+    #[test]
+    fn huge_length_field_is_refused() {
+        let meta = PageMeta {
+            id: PageId([1; 32]),
+            salt: Salt([2; 32]),
+            block: 16,
+            index: 0,
+        };
+        let mut bad = encode(&meta, &[5u8; 64]).to_vec();
+        for len in [u64::MAX, u64::MAX - HEADER_LEN as u64 + 1, u64::MAX - 64] {
+            bad[80..88].copy_from_slice(&len.to_le_bytes());
+            assert_eq!(
+                decode(&Bytes::from(bad.clone()), &meta.id, &meta.salt),
+                Err(PageError::Corrupt("length")),
+                "len {len:#x}"
+            );
+        }
+    }
+
+    /// Found by `damaged_page_is_refused` (kvstore/tests/page_props.rs): version 1 hashed
+    /// the payload only, so a flipped bit in `block`, `index` or the reserved field was
+    /// accepted and the wrong header fields returned.
+    #[test]
+    fn damaged_header_fields_are_refused() {
+        let meta = PageMeta {
+            id: PageId([0; 32]),
+            salt: Salt([0; 32]),
+            block: 0,
+            index: 0,
+        };
+        let page = encode(&meta, &[0u8; 34]);
+        for at in [6, 7, 72, 75, 76, 79] {
+            let mut bad = page.to_vec();
+            bad[at] ^= 1;
+            assert_eq!(
+                decode(&Bytes::from(bad), &meta.id, &meta.salt),
+                Err(PageError::Corrupt("checksum")),
+                "byte {at}"
+            );
+        }
+        // A page of the old format is not read as one of this format.
+        let mut v1 = page.to_vec();
+        v1[4..6].copy_from_slice(&1u16.to_le_bytes());
+        v1[88..120].copy_from_slice(blake3::hash(&[0u8; 34]).as_bytes());
+        assert_eq!(
+            decode(&Bytes::from(v1), &meta.id, &meta.salt),
             Err(PageError::Format)
         );
     }

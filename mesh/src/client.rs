@@ -552,14 +552,14 @@ fn sse_deltas(
     futures::stream::unfold(
         (
             bytes,
-            String::new(),
+            SseSplitter::default(),
             std::collections::VecDeque::new(),
             false,
         ),
-        |(mut bytes, mut buf, mut ready, mut done)| async move {
+        |(mut bytes, mut sse, mut ready, mut done)| async move {
             loop {
                 if let Some(d) = ready.pop_front() {
-                    return Some((d, (bytes, buf, ready, done)));
+                    return Some((d, (bytes, sse, ready, done)));
                 }
                 if done {
                     return None;
@@ -576,17 +576,13 @@ fn sse_deltas(
                         ready.push_back(Err(ClientError::Stream(e.to_string())));
                     }
                     Some(Ok(chunk)) => {
-                        buf.push_str(&String::from_utf8_lossy(&chunk));
-                        while let Some(pos) = buf.find('\n') {
-                            let line: String = buf.drain(..=pos).collect();
-                            let Some(data) = line.trim_end().strip_prefix("data: ") else {
-                                continue;
-                            };
+                        sse.push(&chunk);
+                        while let Some(data) = sse.next_data() {
                             if data == "[DONE]" {
                                 done = true;
                                 break;
                             }
-                            match parse_chunk(data) {
+                            match parse_chunk(&data) {
                                 Ok(ds) => ready.extend(ds.into_iter().map(Ok)),
                                 Err(e) => {
                                     done = true;
@@ -600,6 +596,44 @@ fn sse_deltas(
             }
         },
     )
+}
+
+/// Splits a server-sent-events byte stream into the payloads of its `data: ` lines, however
+/// the stream is cut into chunks. Bytes are kept until their line ends at `\n`, so a
+/// character cut between two chunks is decoded whole (invalid UTF-8 becomes U+FFFD);
+/// trailing whitespace (a `\r` included) is dropped; lines other than `data: ` ones
+/// (comments, `event:`, the blank line between events) are skipped. Pure:
+/// [`Client::chat_stream`] feeds it the response body.
+#[doc(hidden)]
+#[derive(Debug, Default)]
+pub struct SseSplitter {
+    buf: Vec<u8>,
+    /// Leading bytes of `buf` known to hold no `\n` (a long line is scanned once).
+    scanned: usize,
+}
+
+impl SseSplitter {
+    /// Appends the next chunk of the stream.
+    pub fn push(&mut self, chunk: &[u8]) {
+        self.buf.extend_from_slice(chunk);
+    }
+
+    /// The payload of the next complete `data: ` line, or `None` until another line ends.
+    pub fn next_data(&mut self) -> Option<String> {
+        loop {
+            let Some(end) = self.buf[self.scanned..].iter().position(|&b| b == b'\n') else {
+                self.scanned = self.buf.len();
+                return None;
+            };
+            let rest = self.buf.split_off(self.scanned + end + 1);
+            let line = std::mem::replace(&mut self.buf, rest);
+            self.scanned = 0;
+            let line = String::from_utf8_lossy(&line);
+            if let Some(data) = line.trim_end().strip_prefix("data: ") {
+                return Some(data.to_owned());
+            }
+        }
+    }
 }
 
 fn parse_chunk(data: &str) -> Result<Vec<ChatDelta>, ClientError> {
@@ -660,6 +694,21 @@ mod tests {
         );
     }
 
+    /// Found by `chunking_does_not_change_the_payloads`: each chunk used to be decoded on
+    /// its own, so a character cut between two chunks became two U+FFFD.
+    #[test]
+    fn character_cut_between_chunks_is_kept() {
+        let line = "data: {\"choices\":[{\"delta\":{\"content\":\"¡ü😀\"}}]}\n".as_bytes();
+        for cut in 0..line.len() {
+            let mut sse = SseSplitter::default();
+            sse.push(&line[..cut]);
+            assert_eq!(sse.next_data(), None);
+            sse.push(&line[cut..]);
+            let d = sse.next_data().unwrap();
+            assert!(d.contains("¡ü😀"), "cut at {cut}: {d}");
+        }
+    }
+
     #[test]
     fn config_errors_are_clear() {
         assert!(matches!(
@@ -669,5 +718,125 @@ mod tests {
         assert!(
             matches!(Client::new(["localhost:8080"]), Err(ClientError::Config(m)) if m.contains("not an http"))
         );
+    }
+}
+
+#[cfg(test)]
+mod sse_props {
+    use super::*;
+    use proptest::prelude::*;
+    use proptest::sample::Index;
+
+    /// `stream` cut at `cuts` (positions taken modulo its length).
+    fn chunks(stream: &[u8], cuts: &[Index]) -> Vec<Vec<u8>> {
+        let mut at: Vec<usize> = cuts.iter().map(|c| c.index(stream.len() + 1)).collect();
+        at.push(0);
+        at.push(stream.len());
+        at.sort_unstable();
+        at.dedup();
+        at.windows(2).map(|w| stream[w[0]..w[1]].to_vec()).collect()
+    }
+
+    fn split(chunks: &[Vec<u8>]) -> Vec<String> {
+        let mut sse = SseSplitter::default();
+        let mut out = vec![];
+        for c in chunks {
+            sse.push(c);
+            while let Some(d) = sse.next_data() {
+                out.push(d);
+            }
+        }
+        out
+    }
+
+    /// Text in the shape of an SSE stream: data, comment and event lines, blank lines,
+    /// `\n` and `\r\n` endings, non-ASCII text; or any bytes at all.
+    fn stream() -> impl Strategy<Value = Vec<u8>> {
+        let piece = prop_oneof![
+            Just("data: ".to_owned()),
+            Just("data:".to_owned()),
+            Just(": ping".to_owned()),
+            Just("event: x".to_owned()),
+            Just("\n".to_owned()),
+            Just("\r\n".to_owned()),
+            Just("[DONE]".to_owned()),
+            "[a-z{}\":, ]{1,8}",
+            "\\PC{1,4}",
+        ];
+        prop_oneof![
+            prop::collection::vec(piece, 0..40).prop_map(|p| p.concat().into_bytes()),
+            prop::collection::vec(any::<u8>(), 0..200),
+        ]
+    }
+
+    /// A payload as a server writes one: one line, not empty, no trailing whitespace (an
+    /// empty `data: ` line is skipped, as the gateway never sends one).
+    fn payload() -> impl Strategy<Value = String> {
+        "[^\n\r]{1,30}"
+            .prop_map(|s| s.trim_end().to_owned())
+            .prop_filter("not blank", |s| !s.is_empty())
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(2048))]
+
+        /// The same stream cut into chunks anywhere (inside a line, a `\r\n`, a UTF-8
+        /// character) gives the same payloads as in one chunk.
+        #[test]
+        fn chunking_does_not_change_the_payloads(s in stream(), cuts in prop::collection::vec(any::<Index>(), 0..12)) {
+            prop_assert_eq!(split(&chunks(&s, &cuts)), split(std::slice::from_ref(&s)));
+        }
+
+        /// The payloads of `data: ` lines come back as written, in order, with comments,
+        /// other fields and blank lines skipped, whichever line ending the server uses.
+        #[test]
+        fn data_lines_come_back_as_written(
+            events in prop::collection::vec((payload(), any::<bool>(), any::<bool>()), 0..12),
+            cuts in prop::collection::vec(any::<Index>(), 0..12),
+        ) {
+            let mut s = String::new();
+            for (data, crlf, noise) in &events {
+                let nl = if *crlf { "\r\n" } else { "\n" };
+                if *noise {
+                    s.push_str(&format!(": keep-alive{nl}event: message{nl}"));
+                }
+                s.push_str(&format!("data: {data}{nl}{nl}"));
+            }
+            let want: Vec<String> = events.into_iter().map(|(d, _, _)| d).collect();
+            prop_assert_eq!(split(&chunks(s.as_bytes(), &cuts)), want);
+        }
+
+        /// A streamed completion read through [`sse_deltas`] gives the deltas the server
+        /// sent, however the body was cut into chunks.
+        #[test]
+        fn deltas_survive_any_chunking(
+            pieces in prop::collection::vec((any::<bool>(), "\\PC{1,12}"), 0..8),
+            cuts in prop::collection::vec(any::<Index>(), 0..16),
+        ) {
+            let mut body = String::new();
+            let mut want = vec![];
+            for (reasoning, text) in pieces {
+                let delta = if reasoning {
+                    serde_json::json!({"reasoning_content": text})
+                } else {
+                    serde_json::json!({"content": text})
+                };
+                let chunk = serde_json::json!({"choices": [{"index": 0, "delta": delta, "finish_reason": null}]});
+                body.push_str(&format!("data: {chunk}\n\n"));
+                want.push(if reasoning { ChatDelta::Reasoning(text) } else { ChatDelta::Content(text) });
+            }
+            body.push_str("data: {\"choices\": [{\"index\": 0, \"delta\": {}, \"finish_reason\": \"stop\"}]}\n\ndata: [DONE]\n\n");
+            want.push(ChatDelta::Finished { reason: "stop".into() });
+            let parts = chunks(body.as_bytes(), &cuts)
+                .into_iter()
+                .map(|c| Ok::<_, reqwest::Error>(bytes::Bytes::from(c)));
+            let got: Vec<ChatDelta> = futures::executor::block_on(
+                sse_deltas(futures::stream::iter(parts)).collect::<Vec<_>>(),
+            )
+            .into_iter()
+            .collect::<Result<_, _>>()
+            .map_err(|e| TestCaseError::fail(e.to_string()))?;
+            prop_assert_eq!(got, want);
+        }
     }
 }

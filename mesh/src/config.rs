@@ -74,6 +74,52 @@ pub struct NodeConfig {
     pub fault_token: Option<String>,
     /// API keys (`[auth]`).
     pub auth: AuthSettings,
+    /// Client limits (`[limits]`): per-key rate and concurrency, body size, connections.
+    pub limits: LimitSettings,
+}
+
+/// Client limits (`[limits]`). A key's own `--rpm`/`--concurrency` (`mesh keys create`)
+/// replace the per-key defaults; on a node without keys, "per key" means per client
+/// address.
+///
+/// ```toml
+/// [limits]
+/// requests_per_minute = 600   # per key; 0 = no rate limit (default)
+/// burst = 20                  # requests a key may make at once before the rate applies
+/// concurrent_per_key = 16     # requests in flight per key; 0 = no limit (default)
+/// max_body_bytes = 2097152    # larger request bodies get 413
+/// header_read_timeout_s = 10  # a connection that has not sent its headers by then is closed
+/// max_connections = 1024      # open client connections; more wait to be accepted
+/// ```
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct LimitSettings {
+    /// Requests per minute per key (0: unlimited).
+    pub requests_per_minute: u32,
+    /// Requests a key may make back to back before the rate applies (0: one second's worth,
+    /// at least 1).
+    pub burst: u32,
+    /// Requests in flight per key (0: unlimited; `max_concurrent` still caps the node).
+    pub concurrent_per_key: u32,
+    /// Largest request body in bytes.
+    pub max_body_bytes: usize,
+    /// Seconds a client connection has to send a request's headers.
+    pub header_read_timeout_s: u64,
+    /// Client connections open at once; further ones wait in the listen backlog.
+    pub max_connections: usize,
+}
+
+impl Default for LimitSettings {
+    fn default() -> Self {
+        Self {
+            requests_per_minute: 0,
+            burst: 0,
+            concurrent_per_key: 0,
+            max_body_bytes: 2 << 20,
+            header_read_timeout_s: 10,
+            max_connections: 1024,
+        }
+    }
 }
 
 /// API keys (`[auth]`): with a key file, every `/v1` route asks for a key
@@ -416,6 +462,7 @@ impl Default for NodeConfig {
             restart_wait_s: 30,
             fault_token: None,
             auth: AuthSettings::default(),
+            limits: LimitSettings::default(),
         }
     }
 }
@@ -507,6 +554,18 @@ impl NodeConfig {
             );
         }
         anyhow::ensure!(self.max_concurrent > 0, "max_concurrent must be at least 1");
+        anyhow::ensure!(
+            self.limits.max_body_bytes >= 1024,
+            "limits.max_body_bytes must be at least 1024"
+        );
+        anyhow::ensure!(
+            self.limits.header_read_timeout_s > 0,
+            "limits.header_read_timeout_s must be at least 1"
+        );
+        anyhow::ensure!(
+            self.limits.max_connections > 0,
+            "limits.max_connections must be at least 1"
+        );
         anyhow::ensure!(
             self.request_timeout_s > 0,
             "request_timeout_s must be at least 1"

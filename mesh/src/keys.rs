@@ -83,6 +83,27 @@ pub struct Principal {
     /// Tools it may run in agent tasks: `None` = every tool without side effects; a list =
     /// exactly those (a tool with side effects runs only when listed).
     pub tools: Option<Vec<String>>,
+    /// Its own rate and concurrency limits, over the node's defaults.
+    pub limits: KeyLimits,
+}
+
+/// A key's own limits (`mesh keys create --rpm N --concurrency N`); unset: the node's
+/// `[limits]` defaults apply.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct KeyLimits {
+    /// Requests per minute.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rpm: Option<u32>,
+    /// Requests in flight at once.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub concurrency: Option<u32>,
+}
+
+impl KeyLimits {
+    fn is_default(&self) -> bool {
+        *self == Self::default()
+    }
 }
 
 impl Principal {
@@ -120,6 +141,9 @@ pub struct KeyRecord {
     /// When it was made.
     #[serde(default)]
     pub created_unix_s: u64,
+    /// Its own limits.
+    #[serde(default, skip_serializing_if = "KeyLimits::is_default")]
+    pub limits: KeyLimits,
 }
 
 /// The key file.
@@ -223,6 +247,7 @@ impl Keys {
             id: rec.id.clone(),
             scopes: rec.scopes.clone(),
             tools: rec.tools.clone(),
+            limits: rec.limits,
         })
     }
 }
@@ -252,6 +277,7 @@ pub fn create(
     name: &str,
     scopes: Vec<Scope>,
     tools: Option<Vec<String>>,
+    limits: KeyLimits,
 ) -> Result<(KeyRecord, String), String> {
     if scopes.is_empty() {
         return Err("give at least one --scope (inference, agent, control)".into());
@@ -275,14 +301,26 @@ pub fn create(
         id = random_hex(4)?;
     }
     let secret = random_hex(24)?;
-    let mut scopes = scopes;
-    scopes.dedup();
+    if limits.rpm == Some(0) || limits.concurrency == Some(0) {
+        return Err(
+            "--rpm and --concurrency must be at least 1 (leave them out for the node's defaults)"
+                .into(),
+        );
+    }
+    let mut unique: Vec<Scope> = Vec::new();
+    for s in scopes {
+        if !unique.contains(&s) {
+            unique.push(s);
+        }
+    }
+    let scopes = unique;
     let rec = KeyRecord {
         id: id.clone(),
         name: name.to_owned(),
         hash: hash_hex(&secret),
         scopes,
         tools,
+        limits,
         created_unix_s: std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
             .map(|d| d.as_secs())
@@ -335,7 +373,7 @@ mod tests {
     fn keys_with(scopes: Vec<Scope>, tools: Option<Vec<String>>) -> (Keys, String) {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("keys.json");
-        let (_, key) = create(&path, "t", scopes, tools).unwrap();
+        let (_, key) = create(&path, "t", scopes, tools, KeyLimits::default()).unwrap();
         (Keys::load(&path).unwrap(), key)
     }
 
@@ -350,7 +388,14 @@ mod tests {
     fn the_file_holds_no_secret() {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("keys.json");
-        let (_, key) = create(&path, "t", vec![Scope::Inference], None).unwrap();
+        let (_, key) = create(
+            &path,
+            "t",
+            vec![Scope::Inference],
+            None,
+            KeyLimits::default(),
+        )
+        .unwrap();
         let secret = key.rsplit('_').next().unwrap();
         let text = std::fs::read_to_string(&path).unwrap();
         assert!(!text.contains(secret));
@@ -390,8 +435,16 @@ mod tests {
     fn a_revoked_key_is_refused() {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("keys.json");
-        let (rec, key) = create(&path, "t", vec![Scope::Inference], None).unwrap();
-        let (_, other) = create(&path, "u", vec![Scope::Control], None).unwrap();
+        let (rec, key) = create(
+            &path,
+            "t",
+            vec![Scope::Inference],
+            None,
+            KeyLimits::default(),
+        )
+        .unwrap();
+        let (_, other) =
+            create(&path, "u", vec![Scope::Control], None, KeyLimits::default()).unwrap();
         revoke(&path, &rec.id).unwrap();
         let keys = Keys::load(&path).unwrap();
         assert_eq!(
@@ -439,6 +492,7 @@ mod tests {
             id: "00000000".into(),
             scopes: vec![Scope::Agent],
             tools: None,
+            limits: KeyLimits::default(),
         };
         assert!(p.may_run("search", true));
         assert!(!p.may_run("send_email", false));
@@ -450,17 +504,59 @@ mod tests {
             id: "00000000".into(),
             scopes: vec![Scope::Agent],
             tools: Some(vec!["send_email".into()]),
+            limits: KeyLimits::default(),
         };
         assert!(p.may_run("send_email", false));
         assert!(!p.may_run("search", true));
     }
 
     #[test]
+    fn a_zero_limit_is_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("keys.json");
+        let zero = KeyLimits {
+            rpm: Some(0),
+            concurrency: None,
+        };
+        assert!(create(&path, "t", vec![Scope::Inference], None, zero).is_err());
+    }
+
+    #[test]
+    fn repeated_scopes_are_kept_once() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("keys.json");
+        let scopes = vec![Scope::Inference, Scope::Agent, Scope::Inference];
+        let (rec, _) = create(&path, "t", scopes, None, KeyLimits::default()).unwrap();
+        assert_eq!(rec.scopes, vec![Scope::Inference, Scope::Agent]);
+    }
+
+    #[test]
+    fn a_keys_limits_survive_the_file() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("keys.json");
+        let limits = KeyLimits {
+            rpm: Some(30),
+            concurrency: Some(2),
+        };
+        let (_, key) = create(&path, "t", vec![Scope::Inference], None, limits).unwrap();
+        let keys = Keys::load(&path).unwrap();
+        let p = keys.check(Some(&format!("Bearer {key}"))).unwrap();
+        assert_eq!(p.limits, limits);
+    }
+
+    #[test]
     fn a_key_without_scopes_or_with_tools_but_no_agent_scope_is_not_made() {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("keys.json");
-        assert!(create(&path, "t", vec![], None).is_err());
-        assert!(create(&path, "t", vec![Scope::Inference], Some(vec!["a".into()])).is_err());
+        assert!(create(&path, "t", vec![], None, KeyLimits::default()).is_err());
+        assert!(create(
+            &path,
+            "t",
+            vec![Scope::Inference],
+            Some(vec!["a".into()]),
+            KeyLimits::default()
+        )
+        .is_err());
         assert!(!path.exists());
     }
 

@@ -25,6 +25,8 @@ pub mod http;
 #[cfg(feature = "node")]
 pub mod keys;
 #[cfg(feature = "node")]
+pub mod limits;
+#[cfg(feature = "node")]
 pub mod metrics;
 #[cfg(feature = "node")]
 pub mod node;

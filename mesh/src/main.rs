@@ -101,6 +101,12 @@ enum KeysCmd {
         /// A label for people.
         #[arg(long, default_value = "")]
         name: String,
+        /// Requests per minute this key may make (default: the node's `[limits]`).
+        #[arg(long)]
+        rpm: Option<u32>,
+        /// Requests this key may have in flight at once (default: the node's `[limits]`).
+        #[arg(long)]
+        concurrency: Option<u32>,
         /// Key file (default $MESH_KEYS_FILE or ~/.mesh/keys.json).
         #[arg(long)]
         file: Option<PathBuf>,
@@ -128,6 +134,8 @@ fn keys_cmd(cmd: KeysCmd) -> anyhow::Result<()> {
             scope,
             tools,
             name,
+            rpm,
+            concurrency,
             file,
         } => {
             let file = file.unwrap_or_else(keys::default_keys_file);
@@ -137,8 +145,14 @@ fn keys_cmd(cmd: KeysCmd) -> anyhow::Result<()> {
                 .collect::<Result<Vec<_>, _>>()
                 .map_err(anyhow::Error::msg)?;
             let tools = tools.map(|t| t.into_iter().map(|s| s.trim().to_owned()).collect());
-            let (rec, key) =
-                keys::create(&file, &name, scopes, tools).map_err(anyhow::Error::msg)?;
+            let (rec, key) = keys::create(
+                &file,
+                &name,
+                scopes,
+                tools,
+                keys::KeyLimits { rpm, concurrency },
+            )
+            .map_err(anyhow::Error::msg)?;
             eprintln!(
                 "key {} added to {} (scopes: {}); it is shown once, keep it now:",
                 rec.id,

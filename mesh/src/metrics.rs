@@ -69,6 +69,13 @@ pub struct RoutingLabel {
     pub outcome: String,
 }
 
+/// Label: which limit a request or connection hit.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct LimitLabel {
+    /// `rate`, `concurrency`, `body_size`, `header_timeout`.
+    pub limit: String,
+}
+
 /// Label: how an agent task ended.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct StatusLabel {
@@ -157,6 +164,9 @@ pub struct Metrics {
     pub agent_tasks: Family<StatusLabel, Counter>,
     /// Requests refused by API-key checks (`status`: `unauthenticated` or `forbidden`).
     auth_refused: Family<StatusLabel, Counter>,
+    limits_hit: Family<LimitLabel, Counter>,
+    connections_open: Gauge,
+    connections: Counter,
     /// Generations by the local engine that ran them (quantization policy).
     pub engine_requests: Family<EngineLabel, Counter>,
     tool_collector: ToolCollector,
@@ -196,6 +206,9 @@ impl Default for Metrics {
             tools_removed: Counter::default(),
             agent_tasks: Family::default(),
             auth_refused: Family::default(),
+            limits_hit: Family::default(),
+            connections_open: Gauge::default(),
+            connections: Counter::default(),
             engine_requests: Family::default(),
             tool_collector: ToolCollector::default(),
             node: NodeCollector::default(),
@@ -270,6 +283,21 @@ impl Default for Metrics {
             "auth_refused",
             "Requests refused for their API key: unauthenticated (none, or not this node's) or forbidden (a scope or tool the key lacks)",
             m.auth_refused.clone(),
+        );
+        registry.register(
+            "limits_hit",
+            "Requests refused or connections closed by a limit: rate (429), concurrency (429), body_size (413), header_timeout (connection closed)",
+            m.limits_hit.clone(),
+        );
+        registry.register(
+            "http_connections_open",
+            "Client connections open now",
+            m.connections_open.clone(),
+        );
+        registry.register(
+            "http_connections",
+            "Client connections accepted",
+            m.connections.clone(),
         );
         registry.register(
             "agent_tasks",
@@ -812,6 +840,26 @@ impl Metrics {
                 status: status.into(),
             })
             .inc();
+    }
+
+    /// Counts a request refused, or a connection closed, by `limit`.
+    pub fn limit_hit(&self, limit: &str) {
+        self.limits_hit
+            .get_or_create(&LimitLabel {
+                limit: limit.into(),
+            })
+            .inc();
+    }
+
+    /// Counts an accepted client connection.
+    pub fn connection_opened(&self) {
+        self.connections.inc();
+        self.connections_open.inc();
+    }
+
+    /// Counts a client connection closed.
+    pub fn connection_closed(&self) {
+        self.connections_open.dec();
     }
 
     /// Counts a finished HTTP request.

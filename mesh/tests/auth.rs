@@ -11,7 +11,6 @@ use std::sync::OnceLock;
 use mesh::config::NodeConfig;
 use mesh::keys::{self, Scope};
 use mesh_control::mcp::McpServerConfig;
-use mesh_tiers::EngineConfig;
 use serde_json::{json, Value};
 
 fn root() -> PathBuf {
@@ -22,15 +21,7 @@ fn root() -> PathBuf {
 fn t1_node(listen: &str) -> NodeConfig {
     NodeConfig {
         listen: listen.parse().unwrap(),
-        tiers: vec![EngineConfig {
-            name: "t1".into(),
-            model: root().join("models/t1-q8_0.gguf"),
-            n_ctx: 4096,
-            n_seq_max: 2,
-            threads: 2,
-            ..EngineConfig::default()
-        }],
-        ..NodeConfig::default()
+        ..common::t1_config(4096, 2)
     }
 }
 
@@ -54,7 +45,9 @@ fn fixture() -> &'static Fixture {
         let file = dir.join("keys.json");
         let make = |scopes: Vec<Scope>, tools: Option<Vec<&str>>| {
             let tools = tools.map(|t| t.into_iter().map(str::to_owned).collect());
-            keys::create(&file, "test", scopes, tools).unwrap().1
+            keys::create(&file, "test", scopes, tools, keys::KeyLimits::default())
+                .unwrap()
+                .1
         };
         let inference = make(vec![Scope::Inference], None);
         let agent = make(vec![Scope::Agent], None);

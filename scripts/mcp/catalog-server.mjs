@@ -6,8 +6,10 @@
 //   node .cache/mcp/catalog-server.mjs models/fixtures/catalog.jsonl [latency_ms]
 //
 // Each call waits latency_ms (default 150) before answering, as a networked tool
-// would; the result is derived from a hash of the tool name and arguments.
-import { readFileSync } from "node:fs";
+// would; the result is derived from a hash of the tool name and arguments. With
+// CATALOG_CALL_LOG set, every executed call is appended to that file as a JSON line
+// (tests count how often a tool with side effects ran).
+import { appendFileSync, readFileSync } from "node:fs";
 import { Server } from "@modelcontextprotocol/sdk/server/index.js";
 import { StdioServerTransport } from "@modelcontextprotocol/sdk/server/stdio.js";
 import { CallToolRequestSchema, ListToolsRequestSchema } from "@modelcontextprotocol/sdk/types.js";
@@ -62,6 +64,9 @@ server.setRequestHandler(CallToolRequestSchema, async (req) => {
   const missing = (t.parameters.required ?? []).filter((k) => !(k in args));
   if (missing.length) {
     return { content: [{ type: "text", text: `missing required argument(s): ${missing.join(", ")}` }], isError: true };
+  }
+  if (process.env.CATALOG_CALL_LOG) {
+    appendFileSync(process.env.CATALOG_CALL_LOG, JSON.stringify({ name: t.name, arguments: args }) + "\n");
   }
   await new Promise((r) => setTimeout(r, latency));
   const h = hash(t.name + canonical(args));

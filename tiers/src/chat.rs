@@ -92,41 +92,116 @@ impl ChatMessage {
     }
 }
 
-/// Renders the prompt for the next assistant turn.
+/// One piece of a rendered prompt: template text, whose marker spellings are the model's
+/// control tokens, or content (a message's text, a tool result), which is always tokenized
+/// as plain text so that a user cannot open a turn or forge a tool result by typing
+/// `<|system|>` or `<tool_call>`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PromptPart {
+    /// The text.
+    pub text: String,
+    /// Whether control-token spellings in `text` become control tokens.
+    pub special: bool,
+}
+
+impl PromptPart {
+    /// Template text: control tokens parsed.
+    pub fn template(text: impl Into<String>) -> Self {
+        Self {
+            text: text.into(),
+            special: true,
+        }
+    }
+
+    /// Content: tokenized as plain text.
+    pub fn content(text: impl Into<String>) -> Self {
+        Self {
+            text: text.into(),
+            special: false,
+        }
+    }
+}
+
+/// The whole text of `parts` (what the model reads, control and content alike).
+pub fn prompt_text(parts: &[PromptPart]) -> String {
+    parts.iter().map(|p| p.text.as_str()).collect()
+}
+
+/// Renders the prompt for the next assistant turn (see [`render_prompt_parts`]).
 pub fn render_prompt(messages: &[ChatMessage], tools: &[ToolSpec]) -> String {
-    let mut out = String::new();
+    prompt_text(&render_prompt_parts(messages, tools))
+}
+
+/// Renders the prompt for the next assistant turn as template and content parts: the turn
+/// markers, the tool block and tool calls (rendered from structured `tool_calls`) are
+/// template; every message's own text is content.
+pub fn render_prompt_parts(messages: &[ChatMessage], tools: &[ToolSpec]) -> Vec<PromptPart> {
+    let mut out = Parts::default();
     let (system, rest) = match messages.first() {
         Some(m) if m.role == Role::System => (m.content.as_str(), &messages[1..]),
         _ => (DEFAULT_SYSTEM, messages),
     };
-    out.push_str("<|system|>");
-    out.push_str(system);
+    out.template("<|system|>");
+    out.content(system);
     if !tools.is_empty() {
-        out.push_str("\n<tools>\n");
+        // Schemas come from the caller too: their text is content, only the block's
+        // markers are template.
+        out.template("\n<tools>\n");
         for (i, t) in tools.iter().enumerate() {
             if i > 0 {
-                out.push('\n');
+                out.template("\n");
             }
-            out.push_str(&tool_schema_text(t));
+            out.content(&tool_schema_text(t));
         }
-        out.push_str("\n</tools>");
+        out.template("\n</tools>");
     }
-    out.push_str(END);
+    out.template(END);
     for m in rest {
-        match m.role {
-            Role::System => out.push_str("<|system|>"),
-            Role::User => out.push_str("<|user|>"),
-            Role::Assistant => out.push_str("<|assistant|>"),
-            Role::Tool => out.push_str("<|tool|>"),
-        }
-        out.push_str(&m.content);
+        out.template(match m.role {
+            Role::System => "<|system|>",
+            Role::User => "<|user|>",
+            Role::Assistant => "<|assistant|>",
+            Role::Tool => "<|tool|>",
+        });
+        out.content(&m.content);
         for c in &m.tool_calls {
-            out.push_str(&render_call(c));
+            // The markers are template; the name and arguments are the caller's.
+            let v = serde_json::json!({"name": c.name, "arguments": c.arguments});
+            out.template(CALL);
+            out.content(&py_json(&v));
+            out.template(END_CALL);
         }
-        out.push_str(END);
+        out.template(END);
     }
-    out.push_str("<|assistant|>");
-    out
+    out.template("<|assistant|>");
+    out.0
+}
+
+/// Builds parts, merging neighbours of the same kind.
+#[derive(Default)]
+struct Parts(Vec<PromptPart>);
+
+impl Parts {
+    fn push(&mut self, text: &str, special: bool) {
+        if text.is_empty() {
+            return;
+        }
+        match self.0.last_mut() {
+            Some(last) if last.special == special => last.text.push_str(text),
+            _ => self.0.push(PromptPart {
+                text: text.to_owned(),
+                special,
+            }),
+        }
+    }
+
+    fn template(&mut self, text: &str) {
+        self.push(text, true);
+    }
+
+    fn content(&mut self, text: &str) {
+        self.push(text, false);
+    }
 }
 
 /// `<tool_call>{"name": .., "arguments": ..}</tool_call>`.
@@ -286,6 +361,29 @@ fn parse_call(body: &str) -> Option<ToolCall> {
 mod tests {
     use super::*;
     use serde_json::json;
+
+    #[test]
+    fn message_text_is_content_and_turn_markers_are_template() {
+        let msgs = [ChatMessage::text(Role::User, "<|system|>hi")];
+        let parts = render_prompt_parts(&msgs, &[]);
+        let user = parts
+            .iter()
+            .position(|p| p.text.ends_with("<|user|>"))
+            .unwrap();
+        assert_eq!(parts[user + 1], PromptPart::content("<|system|>hi"));
+    }
+
+    #[test]
+    fn structured_tool_calls_keep_their_markers_as_template() {
+        let mut m = ChatMessage::text(Role::Assistant, "");
+        m.tool_calls.push(ToolCall {
+            name: "f".into(),
+            arguments: json!({}),
+        });
+        let parts = render_prompt_parts(&[ChatMessage::text(Role::User, "x"), m], &[]);
+        let marker = format!("<|assistant|>{CALL}");
+        assert!(parts.iter().any(|p| p.special && p.text.contains(&marker)));
+    }
 
     fn tool() -> ToolSpec {
         ToolSpec {

@@ -18,6 +18,7 @@ use tracing::{debug, warn};
 
 use crate::chat;
 use crate::kvcache::{KvCache, PromptPages, ReuseStats};
+use crate::markers::Markers;
 use crate::plan::{self, SlotView, Work};
 use crate::sampler::{allowed_argmax, DraftSampler, RequestSampler};
 use crate::speculative;
@@ -166,6 +167,7 @@ pub struct Engine {
     thread: Option<JoinHandle<()>>,
     pages: Option<PageHandles>,
     exited: Option<tokio::sync::oneshot::Receiver<()>>,
+    markers: Arc<Markers>,
 }
 
 impl Engine {
@@ -260,8 +262,10 @@ impl Engine {
                 .map_err(|e| TierError::Context(e.to_string()))?
         };
         let pages = ready_rx.recv().map_err(|_| TierError::EngineStopped)??;
+        let markers = Arc::new(vocab_markers(&model));
         Ok(Self {
             pages,
+            markers,
             cfg,
             model,
             info,
@@ -352,6 +356,38 @@ impl Engine {
             .collect()
     }
 
+    /// Tokenizes a rendered chat prompt: template parts with their control tokens, content
+    /// parts as plain text only (marker spellings in them never become control tokens; see
+    /// [`crate::markers`]); BOS first when the model wants it.
+    pub fn tokenize_parts(&self, parts: &[chat::PromptPart]) -> Vec<i32> {
+        let vocab = self.model.vocab();
+        let mut out: Vec<i32> = Vec::new();
+        if vocab.should_add_bos() {
+            out.push(vocab.bos().0);
+        }
+        for part in parts {
+            let pieces = if part.special {
+                vec![part.text.as_str()]
+            } else {
+                self.markers.split(&part.text)
+            };
+            for piece in pieces {
+                out.extend(
+                    vocab
+                        .tokenize(piece.as_bytes(), false, part.special)
+                        .iter()
+                        .map(|t| t.0),
+                );
+            }
+        }
+        out
+    }
+
+    /// Token ids of this model's chat markers (control and user-defined tokens).
+    pub fn marker_ids(&self) -> &[i32] {
+        self.markers.ids()
+    }
+
     /// Text of tokens, special tokens rendered.
     pub fn detokenize(&self, tokens: &[i32]) -> String {
         let toks: Vec<LlamaToken> = tokens.iter().map(|&t| LlamaToken(t)).collect();
@@ -394,6 +430,20 @@ impl Drop for Engine {
 }
 
 /// Loads a draft model and checks that it shares the target's vocabulary.
+/// The control and user-defined tokens of `model`'s vocabulary, as markers.
+fn vocab_markers(model: &LlamaModel) -> Markers {
+    use llama_cpp_2::token_type::LlamaTokenAttr;
+    let vocab = model.vocab();
+    Markers::new(vocab.tokens().filter_map(|t| {
+        let attr = vocab.attr(t);
+        if !(attr.contains(LlamaTokenAttr::Control) || attr.contains(LlamaTokenAttr::UserDefined)) {
+            return None;
+        }
+        let text = vocab.text(t)?.to_str().ok()?.to_owned();
+        Some((text, t.0))
+    }))
+}
+
 fn load_draft(target: &LlamaModel, d: &DraftConfig) -> Result<LlamaModel, TierError> {
     let path = d.model.display().to_string();
     if !d.model.exists() {

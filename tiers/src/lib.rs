@@ -36,6 +36,7 @@ pub mod eval;
 pub mod grammar;
 pub mod hwcount;
 pub mod kvcache;
+pub mod markers;
 pub mod plan;
 pub mod quantize;
 mod request;

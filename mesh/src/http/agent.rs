@@ -22,9 +22,9 @@ use crate::service::agent::{AgentMessage, TaskEvent, TaskOutcome, TaskSpec};
 use mesh_tiers::chat::Role;
 
 /// Body of `POST /v1/agent/tasks`.
-#[derive(Debug, Deserialize)]
+#[derive(Debug, Deserialize, utoipa::ToSchema)]
 #[serde(deny_unknown_fields)]
-struct TaskRequest {
+pub(crate) struct TaskRequest {
     /// A tier id or the cascade's model id.
     model: String,
     /// The conversation so far (OpenAI chat messages); or use `input`.
@@ -38,6 +38,7 @@ struct TaskRequest {
     tools: Option<Vec<String>>,
     /// `tool_choice` for the first turn (later turns use `auto`).
     #[serde(default)]
+    #[schema(value_type = Option<Object>)]
     tool_choice: Option<Value>,
     #[serde(default)]
     max_turns: Option<usize>,
@@ -124,6 +125,13 @@ fn event_json(e: &TaskEvent) -> (&'static str, Value) {
 }
 
 /// `POST /v1/agent/tasks`.
+#[utoipa::path(post, path = "/v1/agent/tasks", tag = "agent",
+    request_body = TaskRequest,
+    responses(
+        (status = 200, description = "The finished task (`agent.task`), or with `stream` its progress as server-sent events",
+            content((Object = "application/json"), (String = "text/event-stream"))),
+        super::openapi::RouteErrors,
+    ))]
 pub(crate) async fn create_task(
     State(state): State<HttpState>,
     key: Option<Extension<Principal>>,
@@ -198,6 +206,11 @@ async fn task_inner(
 }
 
 /// `GET /v1/tools`: MCP servers and their tools.
+#[utoipa::path(get, path = "/v1/tools", tag = "agent",
+    responses(
+        (status = 200, description = "MCP servers, their tools, the client-executed catalog and speculation counts", body = Object),
+        super::openapi::KeyErrors,
+    ))]
 pub(crate) async fn list_tools(State(state): State<HttpState>) -> Response {
     let Some(agent) = state.service.agent() else {
         return Json(json!({"servers": [], "tools": []})).into_response();

@@ -24,6 +24,14 @@ use super::openai::*;
 use super::HttpState;
 use crate::service::{CompleteCall, Prompt, Reply, Sampling};
 
+/// `POST /v1/chat/completions`.
+#[utoipa::path(post, path = "/v1/chat/completions", tag = "inference",
+    request_body = ChatRequest,
+    responses(
+        (status = 200, description = "The completion, or with `stream` server-sent `chat.completion.chunk` events ending with `[DONE]`",
+            content((ChatCompletion = "application/json"), (String = "text/event-stream"))),
+        super::openapi::RouteErrors,
+    ))]
 pub(crate) async fn chat_completions(State(state): State<HttpState>, body: Bytes) -> Response {
     const EP: &str = "/v1/chat/completions";
     let resp = match chat_inner(&state, &body).await {
@@ -251,6 +259,14 @@ fn stream_chat(mut reply: Reply, include_usage: bool) -> Response {
         .into_response()
 }
 
+/// `POST /v1/completions`.
+#[utoipa::path(post, path = "/v1/completions", tag = "inference",
+    request_body = CompletionRequest,
+    responses(
+        (status = 200, description = "The completion, or with `stream` server-sent `text_completion` events ending with `[DONE]`",
+            content((TextCompletion = "application/json"), (String = "text/event-stream"))),
+        super::openapi::RouteErrors,
+    ))]
 pub(crate) async fn completions(State(state): State<HttpState>, body: Bytes) -> Response {
     const EP: &str = "/v1/completions";
     let resp = match completions_inner(&state, &body).await {
@@ -302,12 +318,20 @@ async fn completions_inner(state: &HttpState, body: &[u8]) -> Result<Response, A
         .await?;
     if !r.stream {
         let c = reply.collect().await?;
-        return Ok(Json(json!({
-            "id": new_id("cmpl"), "object": "text_completion", "created": now_s(), "model": c.model,
-            "choices": [{"index": 0, "text": c.text, "finish_reason": finish_str(c.finish), "logprobs": null}],
-            "usage": OutUsage::from(c.usage),
-            "mesh": mesh_json(&c.mesh),
-        }))
+        return Ok(Json(TextCompletion {
+            id: new_id("cmpl"),
+            object: "text_completion".into(),
+            created: now_s(),
+            model: c.model.clone(),
+            choices: vec![TextChoice {
+                index: 0,
+                text: c.text.clone(),
+                finish_reason: finish_str(c.finish).into(),
+                logprobs: None,
+            }],
+            usage: OutUsage::from(c.usage),
+            mesh: mesh_json(&c.mesh),
+        })
         .into_response());
     }
     let (tx, rx) = mpsc::channel::<Result<Event, Infallible>>(64);

@@ -121,6 +121,13 @@ pub(crate) fn tune_response(r: Result<TuneOutcome, TuneError>) -> (StatusCode, V
     }
 }
 
+/// `POST /v1/control/tune`: one tuning cycle.
+#[utoipa::path(post, path = "/v1/control/tune", tag = "control",
+    request_body(content = Object, description = "Optional: `knob`, `value`, `objective`"),
+    responses(
+        (status = 200, description = "The change the gate accepted", body = Object),
+        super::openapi::ControlErrors,
+    ))]
 pub(crate) async fn tune(State(state): State<HttpState>, body: Bytes) -> Response {
     let body: TuneBody = if body.iter().all(u8::is_ascii_whitespace) {
         TuneBody::default()
@@ -158,6 +165,12 @@ pub(crate) async fn tune(State(state): State<HttpState>, body: Bytes) -> Respons
     }
 }
 
+/// `GET /v1/control/policy`.
+#[utoipa::path(get, path = "/v1/control/policy", tag = "control",
+    responses(
+        (status = 200, description = "The policy in force, its knobs, decisions and engines", body = Object),
+        super::openapi::ControlErrors,
+    ))]
 pub(crate) async fn show_policy(State(state): State<HttpState>) -> Response {
     let view = match supervisor::call(
         &state.tuner,
@@ -198,6 +211,12 @@ pub(crate) async fn show_policy(State(state): State<HttpState>) -> Response {
 /// `router_top_k`, `draft_k_max`, `quantization`) replace the current ones; sections left
 /// out stay. Checked like a state file at start, 400 with the reason otherwise; an engine
 /// the policy needs that does not start: 422, nothing changed; 409 while a cycle runs.
+#[utoipa::path(put, path = "/v1/control/policy", tag = "control",
+    request_body(content = Object, description = "Policy sections to replace: `cascade`, `reasoning`, `router_top_k`, `draft_k_max`, `quantization`"),
+    responses(
+        (status = 200, description = "The new version and policy", body = Object),
+        super::openapi::ControlErrors,
+    ))]
 pub(crate) async fn put_policy(State(state): State<HttpState>, body: Bytes) -> Response {
     let patch: Value = match serde_json::from_slice(&body) {
         Ok(v) => v,

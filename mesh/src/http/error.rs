@@ -38,6 +38,11 @@ pub fn class(kind: Kind) -> (StatusCode, &'static str, Option<&'static str>) {
             "rate_limit_error",
             Some("rate_limit_exceeded"),
         ),
+        Kind::PayloadTooLarge => (
+            StatusCode::PAYLOAD_TOO_LARGE,
+            "invalid_request_error",
+            Some("request_too_large"),
+        ),
         Kind::Unavailable => (
             StatusCode::SERVICE_UNAVAILABLE,
             "server_error",
@@ -139,6 +144,7 @@ mod tests {
             Kind::ContextLengthExceeded,
             Kind::ModelNotFound,
             Kind::RateLimited,
+            Kind::PayloadTooLarge,
         ] {
             assert!(class(kind).0.is_client_error(), "{kind:?}");
         }

@@ -7,29 +7,34 @@
 //! `POST /v1/agent/tasks`, `GET /v1/tools` ([`agent`]); `POST /v1/control/tune`,
 //! `GET`/`PUT /v1/control/policy` ([`control`]); `GET /v1/models`, `GET /v1/cluster`,
 //! `GET /health`, `GET /ready`, `GET /metrics`, and `POST /v1/debug/crash` on a node started
-//! with fault injection ([`node`]).
+//! with fault injection ([`node`]); `GET /openapi.json`, the document of all of them but
+//! fault injection ([`openapi`]).
 //!
 //! A node with API keys asks every `/v1` route but fault injection for one
-//! (`Authorization: Bearer`), with the scope the route needs ([`crate::keys`]).
+//! (`Authorization: Bearer`), with the scope the route needs ([`crate::keys`]); then the
+//! client's limits apply (`[limits]`, [`crate::limits`]). The accept loop ([`serve`]) caps
+//! open connections and closes those that do not send their headers in time.
 
 pub mod agent;
 mod auth;
 pub mod chat;
 pub mod control;
 pub mod error;
+mod limits;
 pub mod node;
 pub mod openai;
+pub mod openapi;
+pub mod serve;
 
 use std::sync::Arc;
 
 use axum::http::StatusCode;
 use axum::routing::{get, post};
-use axum::{Json, Router};
+use axum::Router;
 use futures::future::BoxFuture;
 use mesh_actors::node::NodeMsg;
 use mesh_actors::supervisor::ActorSlot;
 use mesh_actors::tuner::TunerMsg;
-use serde_json::json;
 
 use crate::service::Service;
 
@@ -68,6 +73,8 @@ pub struct HttpState {
     pub faults: Option<Faults>,
     /// API keys; `None`: no key is asked for.
     pub keys: Option<Arc<crate::keys::Keys>>,
+    /// Per-client limits and the node's `[limits]`.
+    pub limiter: Arc<crate::limits::Limiter>,
 }
 
 impl HttpState {
@@ -92,12 +99,21 @@ pub fn router(state: HttpState) -> Router {
         .route("/v1/models", get(node::models))
         .route("/v1/cluster", get(node::cluster))
         .route("/v1/debug/crash", post(node::crash))
-        .route("/health", get(|| async { Json(json!({"status": "ok"})) }))
+        .route("/health", get(node::health))
+        .route("/openapi.json", get(openapi::serve_document))
         .route("/ready", get(node::ready))
         .route("/metrics", get(node::metrics))
+        // Outermost first: the key, then its limits.
+        .layer(axum::middleware::from_fn_with_state(
+            state.clone(),
+            limits::enforce,
+        ))
         .layer(axum::middleware::from_fn_with_state(
             state.clone(),
             auth::require_key,
+        ))
+        .layer(axum::extract::DefaultBodyLimit::max(
+            state.limiter.settings().max_body_bytes,
         ))
         .with_state(state)
 }

@@ -24,35 +24,71 @@ mod subtle_eq {
     }
 }
 
-pub(crate) async fn models(State(state): State<HttpState>) -> Json<Value> {
+/// `GET /v1/models`.
+#[utoipa::path(get, path = "/v1/models", tag = "inference",
+    responses(
+        (status = 200, description = "The tiers this node hosts or can reach, and the cascade", body = ModelList),
+        super::openapi::KeyErrors,
+    ))]
+pub(crate) async fn models(State(state): State<HttpState>) -> Json<ModelList> {
+    let card = |id: &str, meta: Value| ModelCard {
+        id: id.to_owned(),
+        object: "model".into(),
+        created: 0,
+        owned_by: "mesh".into(),
+        meta,
+    };
     let registry = state.service.engines().registry();
-    let mut data: Vec<Value> = registry
+    let mut data: Vec<ModelCard> = registry
         .iter()
         .map(|e| {
             let i = &e.value().desc.info;
-            json!({"id": i.name, "object": "model", "created": 0, "owned_by": "mesh",
-                   "meta": {"n_params": i.n_params, "n_ctx_train": i.n_ctx_train, "max_seq_len": i.max_seq_len,
-                            "n_seq_max": i.n_seq_max, "size_bytes": i.size_bytes}})
+            card(
+                &i.name,
+                json!({"n_params": i.n_params, "n_ctx_train": i.n_ctx_train, "max_seq_len": i.max_seq_len,
+                       "n_seq_max": i.n_seq_max, "size_bytes": i.size_bytes}),
+            )
         })
         .collect();
     for name in state.service.tier_names() {
         if !registry.contains_key(&name) {
-            data.push(json!({"id": name, "object": "model", "created": 0, "owned_by": "mesh", "meta": {"remote": true}}));
+            data.push(card(&name, json!({"remote": true})));
         }
     }
     let c = state.service.cascade_policy();
-    let hosted: Vec<String> = data
-        .iter()
-        .filter_map(|m| m["id"].as_str().map(str::to_owned))
-        .collect();
-    if c.tiers.iter().all(|t| hosted.contains(t)) {
-        data.push(
-            json!({"id": c.model, "object": "model", "created": 0, "owned_by": "mesh",
-                         "meta": {"cascade": c.tiers}}),
-        );
+    if c.tiers.iter().all(|t| data.iter().any(|m| &m.id == t)) {
+        data.push(card(&c.model, json!({"cascade": c.tiers})));
     }
-    data.sort_by(|a, b| a["id"].as_str().cmp(&b["id"].as_str()));
-    Json(json!({"object": "list", "data": data}))
+    data.sort_by(|a, b| a.id.cmp(&b.id));
+    Json(ModelList {
+        object: "list".into(),
+        data,
+    })
+}
+
+/// `GET /v1/models` answer (OpenAI's shape).
+#[derive(Debug, serde::Serialize, utoipa::ToSchema)]
+pub(crate) struct ModelList {
+    /// `list`.
+    object: String,
+    /// The models.
+    data: Vec<ModelCard>,
+}
+
+/// A model of `GET /v1/models`.
+#[derive(Debug, serde::Serialize, utoipa::ToSchema)]
+pub(crate) struct ModelCard {
+    /// The model id requests name.
+    id: String,
+    /// `model`.
+    object: String,
+    /// Always 0.
+    created: u64,
+    /// `mesh`.
+    owned_by: String,
+    /// Model facts, `remote: true` for a tier only peers host, or the cascade's tiers.
+    #[schema(value_type = Object)]
+    meta: Value,
 }
 
 fn tier_json(t: &mesh_actors::wire::TierAdvert) -> Value {
@@ -62,6 +98,11 @@ fn tier_json(t: &mesh_actors::wire::TierAdvert) -> Value {
 }
 
 /// `GET /v1/cluster`: the members this node knows, its placement and its actors.
+#[utoipa::path(get, path = "/v1/cluster", tag = "inference",
+    responses(
+        (status = 200, description = "Members, their tiers, load and health; placement; actors", body = Object),
+        super::openapi::KeyErrors,
+    ))]
 pub(crate) async fn cluster(State(state): State<HttpState>) -> Json<Value> {
     let members: Vec<Value> = match state.service.cluster() {
         Some(c) => c
@@ -95,6 +136,19 @@ pub(crate) async fn cluster(State(state): State<HttpState>) -> Json<Value> {
     }))
 }
 
+/// `GET /health`.
+#[utoipa::path(get, path = "/health", tag = "node",
+    responses((status = 200, description = "The process serves: `{\"status\": \"ok\"}`", body = Object)))]
+pub(crate) async fn health() -> Json<Value> {
+    Json(json!({"status": "ok"}))
+}
+
+/// `GET /ready`.
+#[utoipa::path(get, path = "/ready", tag = "node",
+    responses(
+        (status = 200, description = "Every configured tier is loaded", body = Object),
+        (status = 503, description = "Still loading: `missing_tiers`", body = Object),
+    ))]
 pub(crate) async fn ready(State(state): State<HttpState>) -> Response {
     let registry = state.service.engines().registry();
     let missing: Vec<&String> = state
@@ -113,6 +167,9 @@ pub(crate) async fn ready(State(state): State<HttpState>) -> Response {
     }
 }
 
+/// `GET /metrics`.
+#[utoipa::path(get, path = "/metrics", tag = "node",
+    responses((status = 200, description = "Prometheus text exposition", content_type = "text/plain", body = String)))]
 pub(crate) async fn metrics(State(state): State<HttpState>) -> Response {
     // The page-store counters as the store actor has them now (none while it restarts).
     let store = state

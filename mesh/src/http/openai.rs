@@ -7,6 +7,7 @@
 
 use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
+use utoipa::ToSchema;
 
 use mesh_tiers::chat::{ChatMessage, Role, ToolCall, ToolSpec};
 use mesh_tiers::FinishReason;
@@ -15,7 +16,9 @@ use super::error::ApiError;
 use crate::service::{self, ChatCall, Completion, MeshInfo, Sampling, ToolChoice};
 
 /// `POST /v1/chat/completions` body.
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, Deserialize, ToSchema)]
+#[schema(example = json!({"model": "t1", "max_tokens": 8, "temperature": 0,
+    "messages": [{"role": "user", "content": "What is the forecast in Lima on 2026-03-02?"}]}))]
 pub struct ChatRequest {
     /// Model id (a tier name, see `GET /v1/models`).
     pub model: String,
@@ -26,6 +29,7 @@ pub struct ChatRequest {
     pub tools: Vec<InTool>,
     /// `none`, `auto`, `required` or `{"type": "function", "function": {"name": ..}}`.
     #[serde(default)]
+    #[schema(value_type = Option<Object>)]
     pub tool_choice: Option<Value>,
     /// Stream with server-sent events.
     #[serde(default)]
@@ -58,7 +62,7 @@ pub struct ChatRequest {
 }
 
 /// `stream_options`.
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, Deserialize, ToSchema)]
 pub struct StreamOptions {
     /// Send a final chunk with usage.
     #[serde(default)]
@@ -66,7 +70,7 @@ pub struct StreamOptions {
 }
 
 /// `stop`: one string or several.
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, Deserialize, ToSchema)]
 #[serde(untagged)]
 pub enum StopField {
     /// One stop string.
@@ -86,12 +90,13 @@ impl StopField {
 }
 
 /// A message as sent by a client.
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, Deserialize, ToSchema)]
 pub struct InMessage {
     /// `system`, `developer`, `user`, `assistant` or `tool`.
     pub role: String,
     /// Text, or an array of content parts, or null.
     #[serde(default)]
+    #[schema(value_type = Option<Object>)]
     pub content: Option<Value>,
     /// Calls in an assistant message.
     #[serde(default)]
@@ -102,7 +107,7 @@ pub struct InMessage {
 }
 
 /// A tool call inside a client message.
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, Deserialize, ToSchema)]
 pub struct InToolCall {
     /// Call id.
     #[serde(default)]
@@ -112,16 +117,17 @@ pub struct InToolCall {
 }
 
 /// Function part of a tool call.
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, Deserialize, ToSchema)]
 pub struct InFunctionCall {
     /// Name.
     pub name: String,
     /// Arguments as a JSON string (OpenAI) or object.
+    #[schema(value_type = Object)]
     pub arguments: Value,
 }
 
 /// A tool offered by the client.
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, Deserialize, ToSchema)]
 pub struct InTool {
     /// Must be `function`.
     #[serde(rename = "type")]
@@ -131,7 +137,7 @@ pub struct InTool {
 }
 
 /// Function definition.
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, Deserialize, ToSchema)]
 pub struct InFunction {
     /// Name.
     pub name: String,
@@ -140,15 +146,18 @@ pub struct InFunction {
     pub description: Option<String>,
     /// JSON schema of the arguments.
     #[serde(default)]
+    #[schema(value_type = Option<Object>)]
     pub parameters: Option<Value>,
 }
 
 /// `POST /v1/completions` body.
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, Deserialize, ToSchema)]
+#[schema(example = json!({"model": "t1", "prompt": "Once upon a time", "max_tokens": 8}))]
 pub struct CompletionRequest {
     /// Model id.
     pub model: String,
     /// Prompt text, a one-element list of text, or token ids.
+    #[schema(value_type = Object)]
     pub prompt: Value,
     /// Completion budget.
     pub max_tokens: Option<usize>,
@@ -176,7 +185,7 @@ pub struct CompletionRequest {
 }
 
 /// Token counts in responses.
-#[derive(Debug, Clone, Copy, Serialize, Deserialize, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, Serialize, Deserialize, Default, PartialEq, Eq, ToSchema)]
 pub struct OutUsage {
     /// Prompt tokens.
     pub prompt_tokens: usize,
@@ -190,7 +199,7 @@ pub struct OutUsage {
 }
 
 /// `usage.completion_tokens_details`.
-#[derive(Debug, Clone, Copy, Serialize, Deserialize, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, Serialize, Deserialize, Default, PartialEq, Eq, ToSchema)]
 pub struct CompletionDetails {
     /// Tokens inside the think block.
     pub reasoning_tokens: usize,
@@ -210,7 +219,7 @@ impl From<mesh_tiers::Usage> for OutUsage {
 }
 
 /// A tool call in a response.
-#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, ToSchema)]
 pub struct OutToolCall {
     /// Stream position (only in streamed deltas).
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -225,7 +234,7 @@ pub struct OutToolCall {
 }
 
 /// Function part of a response tool call.
-#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, ToSchema)]
 pub struct OutFunctionCall {
     /// Name.
     pub name: String,
@@ -234,14 +243,14 @@ pub struct OutFunctionCall {
 }
 
 /// Error body, OpenAI's shape.
-#[derive(Debug, Clone, Serialize, Deserialize)]
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
 pub struct ErrorBody {
     /// The error.
     pub error: ErrorDetail,
 }
 
 /// Error details.
-#[derive(Debug, Clone, Serialize, Deserialize)]
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
 pub struct ErrorDetail {
     /// Human-readable reason.
     pub message: String,
@@ -474,8 +483,91 @@ pub fn new_id(prefix: &str) -> String {
     format!("{prefix}-{}", uuid::Uuid::new_v4().simple())
 }
 
+/// A non-streamed chat completion (`POST /v1/chat/completions`).
+#[derive(Debug, Clone, Serialize, ToSchema)]
+pub struct ChatCompletion {
+    /// Response id.
+    pub id: String,
+    /// `chat.completion`.
+    pub object: String,
+    /// Unix seconds.
+    pub created: u64,
+    /// The tier that answered (the cascade's model id for a cascade request).
+    pub model: String,
+    /// One choice.
+    pub choices: Vec<ChatChoice>,
+    /// Token counts.
+    pub usage: OutUsage,
+    /// mesh's own details: tier, seed, cascade steps, routing.
+    #[schema(value_type = Object)]
+    pub mesh: Value,
+}
+
+/// A choice of a chat completion.
+#[derive(Debug, Clone, Serialize, ToSchema)]
+pub struct ChatChoice {
+    /// Always 0.
+    pub index: u32,
+    /// The answer.
+    pub message: OutMessage,
+    /// `stop`, `length` or `tool_calls`.
+    pub finish_reason: String,
+    /// Always null.
+    #[schema(value_type = Option<Object>)]
+    pub logprobs: Option<Value>,
+}
+
+/// The assistant message of a choice.
+#[derive(Debug, Clone, Serialize, ToSchema)]
+pub struct OutMessage {
+    /// `assistant`.
+    pub role: String,
+    /// The answer text; null when the answer is only tool calls.
+    pub content: Option<String>,
+    /// The `<think>` span, when the model reasoned.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub reasoning_content: Option<String>,
+    /// Calls the model made.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub tool_calls: Vec<OutToolCall>,
+}
+
+/// A non-streamed text completion (`POST /v1/completions`).
+#[derive(Debug, Clone, Serialize, ToSchema)]
+pub struct TextCompletion {
+    /// Response id.
+    pub id: String,
+    /// `text_completion`.
+    pub object: String,
+    /// Unix seconds.
+    pub created: u64,
+    /// The tier that answered.
+    pub model: String,
+    /// One choice.
+    pub choices: Vec<TextChoice>,
+    /// Token counts.
+    pub usage: OutUsage,
+    /// mesh's own details.
+    #[schema(value_type = Object)]
+    pub mesh: Value,
+}
+
+/// A choice of a text completion.
+#[derive(Debug, Clone, Serialize, ToSchema)]
+pub struct TextChoice {
+    /// Always 0.
+    pub index: u32,
+    /// The generated text.
+    pub text: String,
+    /// `stop` or `length`.
+    pub finish_reason: String,
+    /// Always null.
+    #[schema(value_type = Option<Object>)]
+    pub logprobs: Option<Value>,
+}
+
 /// A non-streamed chat completion body.
-pub fn chat_body(c: &Completion) -> Value {
+pub fn chat_body(c: &Completion) -> ChatCompletion {
     let parsed = &c.output;
     let finish = if !parsed.tool_calls.is_empty() {
         "tool_calls"
@@ -483,27 +575,29 @@ pub fn chat_body(c: &Completion) -> Value {
         finish_str(c.finish)
     };
     let content = if parsed.content.is_empty() && !parsed.tool_calls.is_empty() {
-        Value::Null
+        None
     } else {
-        Value::String(parsed.content.clone())
+        Some(parsed.content.clone())
     };
-    let mut message = json!({"role": "assistant", "content": content});
-    if let Some(reasoning) = &parsed.reasoning {
-        message["reasoning_content"] = Value::String(reasoning.clone());
+    ChatCompletion {
+        id: new_id("chatcmpl"),
+        object: "chat.completion".into(),
+        created: now_s(),
+        model: c.model.clone(),
+        choices: vec![ChatChoice {
+            index: 0,
+            message: OutMessage {
+                role: "assistant".into(),
+                content,
+                reasoning_content: parsed.reasoning.clone(),
+                tool_calls: out_calls(&parsed.tool_calls, 0, false),
+            },
+            finish_reason: finish.into(),
+            logprobs: None,
+        }],
+        usage: OutUsage::from(c.usage),
+        mesh: mesh_json(&c.mesh),
     }
-    if !parsed.tool_calls.is_empty() {
-        message["tool_calls"] =
-            serde_json::to_value(out_calls(&parsed.tool_calls, 0, false)).expect("serializable");
-    }
-    json!({
-        "id": new_id("chatcmpl"),
-        "object": "chat.completion",
-        "created": now_s(),
-        "model": c.model,
-        "choices": [{"index": 0, "message": message, "finish_reason": finish, "logprobs": null}],
-        "usage": OutUsage::from(c.usage),
-        "mesh": mesh_json(&c.mesh),
-    })
 }
 
 /// The `mesh` block of a response.

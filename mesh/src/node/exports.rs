@@ -59,13 +59,14 @@ pub fn export_tiers(
 ) {
     exports.export::<TierProtocol>(move |call: TierCall, ctx: CallContext| -> BoxFuture<'static, Started<TierItem>> {
         match call {
-            TierCall::Tokenize { model, text } => {
+            TierCall::Tokenize { model, parts } => {
+                let parts: Vec<mesh_tiers::chat::PromptPart> = parts.into_iter().map(Into::into).collect();
                 let entry = engines.get(&model);
                 Box::pin(async move {
                     let entry = entry.ok_or_else(|| {
                         refused(ErrorClass::NotFound, format!("tier `{model}` is not running on this node"))
                     })?;
-                    let tokens = ractor::call!(entry.actor, |reply| TierMsg::Tokenize { text, reply })
+                    let tokens = ractor::call!(entry.actor, |reply| TierMsg::Tokenize { parts, reply })
                         .map_err(|e| refused(ErrorClass::Unavailable, format!("tier actor unavailable: {e}")))?;
                     one(TierItem::Tokens(tokens))
                 })

@@ -444,15 +444,22 @@ pub async fn start(
         placement,
         faults,
         keys,
+        limiter: Arc::new(crate::limits::Limiter::new(cfg.limits.clone())),
     });
     if cfg.tuner.state_file.is_some() {
         spawn_sighup_reload(&tasks, tuner_slot);
     }
-    let server = tokio::spawn(async move {
-        axum::serve(listener, app)
-            .with_graceful_shutdown(shutdown)
-            .await
-    });
+    let conn_limits = http::serve::ConnLimits {
+        max_connections: cfg.limits.max_connections,
+        header_read_timeout: Duration::from_secs(cfg.limits.header_read_timeout_s),
+    };
+    let server = tokio::spawn(http::serve::serve(
+        listener,
+        app,
+        conn_limits,
+        metrics.clone(),
+        shutdown,
+    ));
     Ok(Running {
         addr,
         cluster,

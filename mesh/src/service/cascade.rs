@@ -31,7 +31,7 @@ impl Service {
         let permit = self.permit()?;
         // The tiers share one tokenizer (a cascade requirement), so one tokenization serves all.
         let prompt = self
-            .tokenize(&mut first, &policy.tiers[0], p.prompt_text.clone())
+            .tokenize(&mut first, &policy.tiers[0], p.prompt.clone())
             .instrument(info_span!("tokenize"))
             .await?;
         tracing::Span::current().record("gen_ai.usage.input_tokens", prompt.len());

@@ -32,7 +32,11 @@ use crate::metrics::{EngineLabel, RoutingLabel};
 
 /// A chat call rendered for the tiers.
 pub(crate) struct Prepared {
+    /// The prompt as the model reads it (tests and logs).
+    #[cfg_attr(not(test), allow(dead_code))]
     pub(crate) prompt_text: String,
+    /// The prompt as template and content parts (what is tokenized).
+    pub(crate) prompt: Vec<chat::PromptPart>,
     /// Tools shown in the prompt.
     pub(crate) shown: Vec<ToolSpec>,
     grammar: Option<String>,
@@ -53,7 +57,8 @@ pub(crate) fn prepare(call: &ChatCall, routed: Option<&RouterInfo>) -> Result<Pr
         ));
     }
     let (shown, grammar) = tool_plan(call.tools.clone(), &call.tool_choice)?;
-    let prompt_text = chat::render_prompt(&call.messages, &shown);
+    let prompt = chat::render_prompt_parts(&call.messages, &shown);
+    let prompt_text = chat::prompt_text(&prompt);
     let (grammar, trigger) = match grammar {
         Some((g, true)) => (Some(g), Some(chat::CALL.to_owned())),
         Some((g, false)) => (Some(g), None),
@@ -63,6 +68,7 @@ pub(crate) fn prepare(call: &ChatCall, routed: Option<&RouterInfo>) -> Result<Pr
     let scope = cache_scope(&shown);
     Ok(Prepared {
         prompt_text,
+        prompt,
         shown,
         grammar,
         trigger,
@@ -273,12 +279,12 @@ impl Service {
         &self,
         target: &mut Target,
         model: &str,
-        text: String,
+        parts: Vec<chat::PromptPart>,
     ) -> Result<Vec<i32>, Error> {
         let d = &self.inner.dispatcher;
         let mut failed: Vec<String> = vec![];
         loop {
-            match d.tokenize(target, model, text.clone()).await {
+            match d.tokenize(target, model, parts.clone()).await {
                 Ok(t) => return Ok(t),
                 Err(why) => {
                     if let Target::Remote { node, .. } = &*target {
@@ -529,7 +535,7 @@ impl Service {
             let mut tier = self.find_tier_waiting(&call.model, deadline).await?;
             let permit = self.permit()?;
             let prompt = self
-                .tokenize(&mut tier, &call.model, p.prompt_text.clone())
+                .tokenize(&mut tier, &call.model, p.prompt.clone())
                 .instrument(info_span!("tokenize"))
                 .await?;
             // With the prompt known, prefer a node that holds its prefix pages.
@@ -573,7 +579,11 @@ impl Service {
             let mut tier = self.find_tier_waiting(&call.model, deadline).await?;
             let permit = self.permit()?;
             let prompt = match call.prompt {
-                Prompt::Text(s) => self.tokenize(&mut tier, &call.model, s).await?,
+                // A raw prompt is the caller's own template: its control tokens are parsed.
+                Prompt::Text(s) => {
+                    self.tokenize(&mut tier, &call.model, vec![chat::PromptPart::template(s)])
+                        .await?
+                }
                 Prompt::Tokens(t) => t,
             };
             let tier = self

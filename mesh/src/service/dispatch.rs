@@ -23,6 +23,7 @@ use mesh_actors::wire::{ErrorClass, Event};
 use mesh_actors::{CallError, Cluster, InflightGuard};
 use mesh_control::policy::Role;
 use mesh_kvstore::PageId;
+use mesh_tiers::chat::PromptPart;
 use mesh_tiers::{GenerateRequest, TierError, TokenEvent};
 use tokio::sync::mpsc;
 use tokio::time::Instant;
@@ -294,23 +295,23 @@ impl Dispatcher {
         held.iter().take_while(|h| **h).count()
     }
 
-    /// Tokenizes with the target's tokenizer.
+    /// Tokenizes the prompt `parts` with the target's tokenizer.
     ///
     /// Cancel safety: cancel-safe.
     pub async fn tokenize(
         &self,
         target: &Target,
         model: &str,
-        text: String,
+        parts: Vec<PromptPart>,
     ) -> Result<Vec<i32>, String> {
         match target {
-            Target::Local(e) => ractor::call!(e.actor, |reply| TierMsg::Tokenize { text, reply })
+            Target::Local(e) => ractor::call!(e.actor, |reply| TierMsg::Tokenize { parts, reply })
                 .map_err(|e| format!("tier unavailable: {e}")),
             Target::Remote { node, .. } => self
                 .cluster
                 .as_ref()
                 .expect("remote target has a cluster")
-                .tokenize(node, model, &text)
+                .tokenize(node, model, &parts)
                 .await
                 .map_err(|e| e.to_string()),
         }

@@ -17,8 +17,11 @@ pub enum Kind {
     ContextLengthExceeded,
     /// No node knows the model.
     ModelNotFound,
-    /// Too many requests in flight (gateway permits or a full engine queue); retry later.
+    /// Too many requests in flight (gateway permits or a full engine queue), or a key over its
+    /// rate or concurrency; retry later.
     RateLimited,
+    /// The request body is larger than the node takes.
+    PayloadTooLarge,
     /// The model is known but no node can serve it now (restarting, lost).
     Unavailable,
     /// The tuner is switched off on this node.

@@ -23,6 +23,24 @@ pub(crate) fn mesh_up(env: &[(&str, &str)]) -> mesh_tests::Node {
     .unwrap_or_else(|log| panic!("mesh up exited before listening:\n{log}"))
 }
 
+/// A node hosting the bundled t1 (2 threads, `n_ctx` cells shared by `n_seq_max` slots) on
+/// 127.0.0.1 with an ephemeral port.
+#[allow(dead_code)] // not every test binary that includes this module uses it
+pub(crate) fn t1_config(n_ctx: u32, n_seq_max: u32) -> mesh::config::NodeConfig {
+    mesh::config::NodeConfig {
+        listen: "127.0.0.1:0".parse().expect("an address"),
+        tiers: vec![mesh_tiers::EngineConfig {
+            name: "t1".into(),
+            model: std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../models/t1-q8_0.gguf"),
+            n_ctx,
+            n_seq_max,
+            threads: 2,
+            ..mesh_tiers::EngineConfig::default()
+        }],
+        ..mesh::config::NodeConfig::default()
+    }
+}
+
 /// Starts a node in this process; it runs until the returned sender is dropped or fired.
 /// Returns `http://ADDR` and the stop handle.
 #[allow(dead_code)] // not every test binary that includes this module starts in-process nodes
