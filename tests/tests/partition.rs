@@ -317,7 +317,8 @@ fn a_partitioned_node_loses_no_request_and_rejoins() {
             });
         }
         // Cut c off once it is serving part of the traffic.
-        let c_served = async || metric(&http, &g[2], "mesh_engine_requests_total").await;
+        // Each generation on c's engine looks its prompt up in c's page store.
+        let c_served = async || metric(&http, &g[2], "mesh_kv_prefix_lookups_total").await;
         mesh_tests::wait_until("c serves some of the traffic", async || {
             c_served().await >= 2.0
         })
