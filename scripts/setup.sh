@@ -37,6 +37,8 @@ APT_PACKAGES=(
     ca-certificates
     unzip
     fonts-dejavu-core  # the font mesh-bench report draws plot text with
+    chromium         # the web console's browser tests (headless)
+    chromium-driver  # ... and the WebDriver they drive it through
 )
 
 is_installed() {

@@ -237,6 +237,8 @@ pub fn to_wire(ev: TokenEvent) -> crate::wire::Event {
             reasoning_capped: usage.reasoning_capped,
             draft_tokens: usage.draft_tokens as u32,
             draft_accepted: usage.draft_accepted as u32,
+            cached_tokens: usage.cached_tokens as u32,
+            stop_index: usage.stop_index.map(|i| i as u32),
             tail,
         },
         TokenEvent::Error(e) => Event::Error(e),
@@ -258,6 +260,8 @@ pub fn from_wire(ev: crate::wire::Event) -> TokenEvent {
             reasoning_capped,
             draft_tokens,
             draft_accepted,
+            cached_tokens,
+            stop_index,
             tail,
         } => TokenEvent::Done {
             finish: match finish {
@@ -272,6 +276,8 @@ pub fn from_wire(ev: crate::wire::Event) -> TokenEvent {
                 reasoning_capped,
                 draft_tokens: draft_tokens as usize,
                 draft_accepted: draft_accepted as usize,
+                cached_tokens: cached_tokens as usize,
+                stop_index: stop_index.map(|i| i as usize),
             },
             tail,
         },
@@ -323,6 +329,8 @@ mod tests {
             reasoning_capped: true,
             draft_tokens: 37,
             draft_accepted: 33,
+            cached_tokens: 640,
+            stop_index: Some(1),
         };
         let ev = TokenEvent::Done {
             finish: FinishReason::Length,

@@ -383,6 +383,10 @@ pub enum Event {
         draft_tokens: u32,
         /// Of those, the ones the tier accepted.
         draft_accepted: u32,
+        /// Prompt tokens reused from the slot or restored from pages.
+        cached_tokens: u32,
+        /// The index of the request's stop string that ended generation.
+        stop_index: Option<u32>,
         /// Held-back text released at the end.
         tail: String,
     },

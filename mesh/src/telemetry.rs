@@ -81,6 +81,15 @@ pub fn init(service: &str) -> Telemetry {
     }
 }
 
+/// The trace id of `span` as Jaeger shows it (32 hex digits), when spans are exported.
+pub fn trace_id(span: &tracing::Span) -> Option<String> {
+    use opentelemetry::trace::TraceContextExt;
+    use tracing_opentelemetry::OpenTelemetrySpanExt;
+    let cx = span.context();
+    let sc = cx.span().span_context().clone();
+    sc.is_valid().then(|| sc.trace_id().to_string())
+}
+
 /// Trace context of the current span, as wire headers (W3C `traceparent`, `tracestate`).
 pub fn inject_context() -> Vec<mesh_actors::wire::Header> {
     use tracing_opentelemetry::OpenTelemetrySpanExt;

@@ -626,3 +626,20 @@ async fn a_greedy_response_names_no_seed() {
     assert_eq!(status, 200, "{v}");
     assert!(v["mesh"].get("seed").is_none(), "{v}");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_repeated_prompt_reports_its_reused_tokens_as_cached_tokens() {
+    let c = reqwest::Client::new();
+    let body = json!({"model": "t1", "temperature": 0, "max_tokens": 4,
+        "messages": [{"role": "user", "content":
+            format!("Ledger 7731. {} Total?", "Item forty-two costs nine coins. ".repeat(30))}]});
+    let (s, _, first) = post(&c, chat_url(), body.clone()).await;
+    assert_eq!(s, 200, "{first}");
+    let (s, _, second) = post(&c, chat_url(), body).await;
+    assert_eq!(s, 200, "{second}");
+    let prompt = second["usage"]["prompt_tokens"].as_u64().unwrap();
+    let cached = second["usage"]["prompt_tokens_details"]["cached_tokens"]
+        .as_u64()
+        .unwrap();
+    assert!(cached > prompt / 2 && cached < prompt, "{second}");
+}

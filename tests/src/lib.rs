@@ -14,6 +14,24 @@ use std::process::{Child, Command, ExitStatus, Stdio};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
+/// Runs `tests/python/SCRIPT ARGS` with `MESH_PYTHON` (set by `./dev.sh test` to the
+/// project's virtualenv), else `python3`; prints its output and panics with a hint when it
+/// fails (`scripts/setup.sh` installs the packages these scripts need).
+pub fn run_python(script: &str, args: &[&str]) {
+    let python = std::env::var("MESH_PYTHON").unwrap_or_else(|_| "python3".into());
+    let out = Command::new(&python)
+        .arg(root().join("tests/python").join(script))
+        .args(args)
+        .output()
+        .unwrap_or_else(|e| panic!("{python} does not run: {e}"));
+    print!("{}", String::from_utf8_lossy(&out.stdout));
+    eprint!("{}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "{script} {args:?} failed (scripts/setup.sh installs what it needs; MESH_PYTHON names the Python)"
+    );
+}
+
 /// The `mesh` binary next to the test executable.
 pub fn mesh_bin() -> PathBuf {
     // target/<profile>/deps/cluster-HASH -> target/<profile>/mesh

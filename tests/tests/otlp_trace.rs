@@ -156,7 +156,7 @@ async fn one_trace_spans_both_nodes_at_a_real_otlp_receiver() {
     let client = reqwest::Client::new();
     let body = serde_json::json!({"model": "t1", "max_tokens": 8,
         "messages": [{"role": "user", "content": "What is the weather in Oslo?"}]});
-    let mut served = false;
+    let mut served = None;
     for _ in 0..100 {
         let r = client
             .post(format!("{}/v1/chat/completions", entry.http))
@@ -165,12 +165,12 @@ async fn one_trace_spans_both_nodes_at_a_real_otlp_receiver() {
             .await
             .unwrap();
         if r.status().is_success() {
-            served = true;
+            served = Some(r.json::<serde_json::Value>().await.unwrap());
             break;
         }
         tokio::time::sleep(Duration::from_millis(50)).await; // until the entry node sees t1
     }
-    assert!(served, "the entry gateway never served t1");
+    let served = served.expect("the entry gateway never served t1");
     // SIGTERM flushes each node's batch exporter.
     entry.terminate();
     serving.terminate();
@@ -216,6 +216,12 @@ async fn one_trace_spans_both_nodes_at_a_real_otlp_receiver() {
         .find(|s| s.service == "mesh@entry" && s.name == "gateway.chat" && s.trace == tier.trace)
         .expect("the entry node's gateway span is in the same trace");
     assert!(gateway.parent.is_empty(), "gateway.chat is the root");
+    // The response names that trace (the console shows it per reply).
+    assert_eq!(
+        served["mesh"]["trace_id"].as_str(),
+        Some(tier.trace.as_str()),
+        "{served}"
+    );
     // The serving node looks up the prompt's KV pages (local, then peers) inside its tier span.
     let lookup = spans
         .iter()

@@ -562,6 +562,8 @@ struct Slot {
     age: u64,
     reserve: usize,
     prefilled: usize,
+    /// Prompt tokens that were not computed (kept in place or restored from pages).
+    cached: usize,
     pending: Option<LlamaToken>,
     generated: usize,
     utf8: Vec<u8>,
@@ -878,6 +880,7 @@ impl<'m> Loop<'m> {
                 age: self.next_age,
                 reserve: p.reserve,
                 prefilled,
+                cached: prefilled,
                 pending: None,
                 generated: 0,
                 utf8: Vec::new(),
@@ -1448,6 +1451,8 @@ impl<'m> Loop<'m> {
                     reasoning_capped: s.reasoning_capped,
                     draft_tokens: s.spec.as_ref().map_or(0, |sp| sp.drafted),
                     draft_accepted: s.spec.as_ref().map_or(0, |sp| sp.accepted),
+                    cached_tokens: s.cached,
+                    stop_index: s.stop.matched(),
                 };
                 // Free before reporting, so a caller that sees Done also sees the slot free.
                 let s = self.free(slot).expect("slot exists");

@@ -87,6 +87,14 @@ pub struct Usage {
     /// Drafted tokens the target accepted (each saved one target decode).
     #[serde(default)]
     pub draft_accepted: usize,
+    /// Prompt tokens not computed for this request: reused in place from its slot's kept
+    /// KV or restored from KV pages (OpenAI's `cached_tokens`, Anthropic's
+    /// `cache_read_input_tokens`).
+    #[serde(default)]
+    pub cached_tokens: usize,
+    /// The index of the request's stop string that ended generation, when one did.
+    #[serde(default)]
+    pub stop_index: Option<usize>,
 }
 
 /// What the engine streams back for one request.

@@ -7,8 +7,10 @@
 /// Incremental stop-string matcher for one sequence.
 #[derive(Debug, Default, Clone)]
 pub struct StopMatcher {
-    stops: Vec<String>,
+    /// The non-empty stop strings, with their index in the list given to [`Self::new`].
+    stops: Vec<(usize, String)>,
     held: String,
+    matched: Option<usize>,
 }
 
 /// Result of feeding text.
@@ -24,8 +26,14 @@ impl StopMatcher {
     /// A matcher for these stop strings (empty strings are ignored).
     pub fn new(stops: &[String]) -> Self {
         Self {
-            stops: stops.iter().filter(|s| !s.is_empty()).cloned().collect(),
+            stops: stops
+                .iter()
+                .enumerate()
+                .filter(|(_, s)| !s.is_empty())
+                .map(|(i, s)| (i, s.clone()))
+                .collect(),
             held: String::new(),
+            matched: None,
         }
     }
 
@@ -38,14 +46,15 @@ impl StopMatcher {
             };
         }
         self.held.push_str(text);
-        if let Some(at) = self
+        if let Some((at, i)) = self
             .stops
             .iter()
-            .filter_map(|s| self.held.find(s.as_str()))
+            .filter_map(|(i, s)| self.held.find(s.as_str()).map(|at| (at, *i)))
             .min()
         {
             let release = self.held[..at].to_owned();
             self.held.clear();
+            self.matched = Some(i);
             return Fed {
                 release,
                 stopped: true,
@@ -55,7 +64,7 @@ impl StopMatcher {
         let keep = self
             .stops
             .iter()
-            .map(|s| longest_suffix_prefix(&self.held, s))
+            .map(|(_, s)| longest_suffix_prefix(&self.held, s))
             .max()
             .unwrap_or(0);
         let cut = self.held.len() - keep;
@@ -65,6 +74,12 @@ impl StopMatcher {
             release,
             stopped: false,
         }
+    }
+
+    /// The index (in the list given to [`Self::new`]) of the stop string that ended the
+    /// text, once one has.
+    pub fn matched(&self) -> Option<usize> {
+        self.matched
     }
 
     /// Releases whatever is held (generation ended for another reason).
@@ -158,6 +173,14 @@ mod tests {
                 stopped: true
             }
         );
+    }
+
+    #[test]
+    fn the_matched_stop_is_named_by_its_index_in_the_request() {
+        let mut s = StopMatcher::new(&["".into(), "cd".into(), "b".into()]);
+        assert_eq!(s.matched(), None);
+        s.feed("abcd");
+        assert_eq!(s.matched(), Some(2));
     }
 
     #[test]

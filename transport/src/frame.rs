@@ -27,8 +27,10 @@ pub const MAGIC: [u8; 2] = *b"MS";
 /// Version of the envelope types this build speaks (2: `GenerateCall.reasoning_budget` and the
 /// reasoning counts of `Event::Done`; 3: `GenerateCall.role`; 4: the draft counts of
 /// `Event::Done`; 5: calls to named actors (`Request::Call` with an envelope, the tier,
-/// page-store and router protocols) and roles, actors and store pages in adverts).
-pub const WIRE_VERSION: u16 = 5;
+/// page-store and router protocols) and roles, actors and store pages in adverts; 6: prompt
+/// parts in `TierCall::Tokenize`, and the cached prompt tokens and matched stop string of
+/// `Event::Done`).
+pub const WIRE_VERSION: u16 = 6;
 /// Bytes before the payload.
 pub const HEADER_LEN: usize = 8;
 /// Default payload limit of control frames (1 MiB).

@@ -1,15 +1,16 @@
 //! Bearer-key authentication for every `/v1` route of a node that has keys: a request
 //! without a key of this node gets 401, one whose key lacks the route's scope 403, both in
-//! OpenAI's error shape. The key that passed travels with the request (an extension) for
+//! the route's error shape. The key comes as `Authorization: Bearer` or, as Anthropic's
+//! clients send it, `x-api-key`. The key that passed travels with the request (an extension) for
 //! handlers that check more (agent tasks: which tools it may run). What a route needs and
 //! what a key may do are decided in [`crate::keys`].
 
 use axum::extract::{Request, State};
 use axum::http::header;
 use axum::middleware::Next;
-use axum::response::{IntoResponse, Response};
+use axum::response::Response;
 
-use super::error::ApiError;
+use super::error::{ApiError, Dialect};
 use super::HttpState;
 use crate::keys::{required_scope, Refusal};
 use crate::service::{Error, Kind};
@@ -26,23 +27,31 @@ pub(crate) async fn require_key(
     let Some(scope) = required_scope(req.uri().path()) else {
         return next.run(req).await;
     };
+    let dialect = Dialect::of_path(req.uri().path());
     let header = req
         .headers()
         .get(header::AUTHORIZATION)
-        .and_then(|v| v.to_str().ok());
+        .and_then(|v| v.to_str().ok())
+        .map(str::to_owned)
+        .or_else(|| {
+            req.headers()
+                .get("x-api-key")
+                .and_then(|v| v.to_str().ok())
+                .map(|k| format!("Bearer {k}"))
+        });
     let refused = |kind, msg: String| {
         state
             .service
             .metrics()
             .auth_refused(kind == Kind::Unauthenticated);
-        ApiError(Error::new(kind, msg)).into_response()
+        ApiError(Error::new(kind, msg)).respond(dialect)
     };
-    let principal = match keys.check(header) {
+    let principal = match keys.check(header.as_deref()) {
         Ok(p) => p,
         Err(Refusal::Missing) => {
             return refused(
                 Kind::Unauthenticated,
-                "this node needs an API key: send `Authorization: Bearer <key>` (keys are made by `mesh keys create`)".into(),
+                "this node needs an API key: send `Authorization: Bearer <key>` or `x-api-key: <key>` (keys are made by `mesh keys create`)".into(),
             )
         }
         Err(Refusal::Invalid) => {

@@ -1,11 +1,12 @@
 //! The HTTP layer's one error type and its code table: every service error kind has one
-//! status, OpenAI error `type` and `code`; bodies are OpenAI's error JSON and a `Retry-After`
-//! header goes with 429 and 503.
+//! status, OpenAI error `type` and `code`; bodies are OpenAI's error JSON (Anthropic's on
+//! the Messages API's routes, [`Dialect`]) and a `Retry-After` header goes with 429 and 503.
 
 use axum::http::{header, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
 
+use super::anthropic::{AnthropicErrorBody, AnthropicErrorDetail};
 use super::openai::{ErrorBody, ErrorDetail};
 use crate::service::{Error, Kind};
 
@@ -82,18 +83,63 @@ impl ApiError {
     }
 }
 
-impl IntoResponse for ApiError {
-    fn into_response(self) -> Response {
+/// Which API's error shape a route answers in.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Dialect {
+    /// OpenAI's `{"error": {"message", "type", "param", "code"}}`.
+    OpenAi,
+    /// Anthropic's `{"type": "error", "error": {"type", "message"}}`.
+    Anthropic,
+}
+
+impl Dialect {
+    /// The dialect of a request path: Anthropic's for `/v1/messages` and below.
+    pub fn of_path(path: &str) -> Self {
+        if path == "/v1/messages" || path.starts_with("/v1/messages/") {
+            Dialect::Anthropic
+        } else {
+            Dialect::OpenAi
+        }
+    }
+}
+
+impl ApiError {
+    /// The response in `dialect`'s error shape.
+    pub fn respond(self, dialect: Dialect) -> Response {
         let (status, kind, code) = class(self.0.kind);
-        let body = ErrorBody {
-            error: ErrorDetail {
-                message: self.0.message,
-                kind: kind.into(),
-                param: self.0.param,
-                code: code.map(str::to_owned),
-            },
+        let mut resp = match dialect {
+            Dialect::OpenAi => (
+                status,
+                Json(ErrorBody {
+                    error: ErrorDetail {
+                        message: self.0.message,
+                        kind: kind.into(),
+                        param: self.0.param,
+                        code: code.map(str::to_owned),
+                    },
+                }),
+            )
+                .into_response(),
+            Dialect::Anthropic => {
+                let message = match &self.0.param {
+                    Some(p) if !self.0.message.contains(p.as_str()) => {
+                        format!("{}: {}", p, self.0.message)
+                    }
+                    _ => self.0.message,
+                };
+                (
+                    status,
+                    Json(AnthropicErrorBody {
+                        kind: "error".into(),
+                        error: AnthropicErrorDetail {
+                            kind: super::anthropic::error_type(status.as_u16()).into(),
+                            message,
+                        },
+                    }),
+                )
+                    .into_response()
+            }
         };
-        let mut resp = (status, Json(body)).into_response();
         if status == StatusCode::UNAUTHORIZED {
             resp.headers_mut().insert(
                 header::WWW_AUTHENTICATE,
@@ -105,6 +151,12 @@ impl IntoResponse for ApiError {
                 .insert(header::RETRY_AFTER, HeaderValue::from(s));
         }
         resp
+    }
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        self.respond(Dialect::OpenAi)
     }
 }
 
@@ -133,6 +185,22 @@ mod tests {
         let r = ApiError(Error::unavailable("restarting")).into_response();
         assert_eq!(r.status(), StatusCode::SERVICE_UNAVAILABLE);
         assert_eq!(r.headers()[header::RETRY_AFTER], "1");
+    }
+
+    #[tokio::test]
+    async fn messages_routes_answer_in_anthropics_shape() {
+        assert_eq!(
+            Dialect::of_path("/v1/messages/count_tokens"),
+            Dialect::Anthropic
+        );
+        assert_eq!(Dialect::of_path("/v1/messagesx"), Dialect::OpenAi);
+        let r = ApiError(Error::model_not_found("t9", &["t1".into()])).respond(Dialect::Anthropic);
+        assert_eq!(r.status(), StatusCode::NOT_FOUND);
+        let body = axum::body::to_bytes(r.into_body(), 1 << 16).await.unwrap();
+        let v: serde_json::Value = serde_json::from_slice(&body).unwrap();
+        assert_eq!(v["type"], "error");
+        assert_eq!(v["error"]["type"], "not_found_error");
+        assert!(v["error"]["message"].as_str().unwrap().contains("t9"));
     }
 
     #[test]

@@ -12,10 +12,10 @@ use axum::body::{Body, Bytes, HttpBody};
 use axum::extract::{ConnectInfo, Request, State};
 use axum::http::header;
 use axum::middleware::Next;
-use axum::response::{IntoResponse, Response};
+use axum::response::Response;
 use hyper::body::{Frame, SizeHint};
 
-use super::error::ApiError;
+use super::error::{ApiError, Dialect};
 use super::HttpState;
 use crate::keys::Principal;
 use crate::limits::{client_id, client_limits, Admitted, Refused};
@@ -26,6 +26,7 @@ pub(crate) async fn enforce(State(state): State<HttpState>, req: Request, next: 
     if !req.uri().path().starts_with("/v1/") {
         return next.run(req).await;
     }
+    let dialect = Dialect::of_path(req.uri().path());
     let metrics = state.service.metrics();
     let max = state.limiter.settings().max_body_bytes as u64;
     let declared = req
@@ -38,7 +39,7 @@ pub(crate) async fn enforce(State(state): State<HttpState>, req: Request, next: 
             Kind::PayloadTooLarge,
             format!("the request body is {n} bytes; this node takes at most {max} (limits.max_body_bytes)"),
         ))
-        .into_response();
+        .respond(dialect);
     }
     let principal = req.extensions().get::<Principal>().cloned();
     if !state.limiter.active(principal.as_ref()) {
@@ -69,7 +70,7 @@ pub(crate) async fn enforce(State(state): State<HttpState>, req: Request, next: 
                 format!("rate limit reached: {per_minute} requests per minute for this client; retry in {retry_after_s} s"),
                 retry_after_s,
             ))
-            .into_response()
+            .respond(dialect)
         }
         Err(Refused::Concurrency { limit }) => {
             metrics.limit_hit("concurrency");
@@ -77,7 +78,7 @@ pub(crate) async fn enforce(State(state): State<HttpState>, req: Request, next: 
                 format!("this client already has {limit} requests in flight, its limit; retry when one ends"),
                 1,
             ))
-            .into_response()
+            .respond(dialect)
         }
     }
 }

@@ -4,11 +4,13 @@
 //! into JSON.
 //!
 //! Routes: `POST /v1/chat/completions`, `POST /v1/completions` ([`chat`]);
+//! `POST /v1/messages`, `POST /v1/messages/count_tokens` (Anthropic's API, [`messages`]);
 //! `POST /v1/agent/tasks`, `GET /v1/tools` ([`agent`]); `POST /v1/control/tune`,
 //! `GET`/`PUT /v1/control/policy` ([`control`]); `GET /v1/models`, `GET /v1/cluster`,
 //! `GET /health`, `GET /ready`, `GET /metrics`, and `POST /v1/debug/crash` on a node started
 //! with fault injection ([`node`]); `GET /openapi.json`, the document of all of them but
-//! fault injection ([`openapi`]).
+//! fault injection and the console ([`openapi`]); the web console at `/` and its files under
+//! `/console/` (`console`).
 //!
 //! A node with API keys asks every `/v1` route but fault injection for one
 //! (`Authorization: Bearer`), with the scope the route needs ([`crate::keys`]); then the
@@ -16,11 +18,14 @@
 //! open connections and closes those that do not send their headers in time.
 
 pub mod agent;
+pub mod anthropic;
 mod auth;
 pub mod chat;
+mod console;
 pub mod control;
 pub mod error;
 mod limits;
+pub mod messages;
 pub mod node;
 pub mod openai;
 pub mod openapi;
@@ -89,6 +94,8 @@ pub fn router(state: HttpState) -> Router {
     Router::new()
         .route("/v1/chat/completions", post(chat::chat_completions))
         .route("/v1/completions", post(chat::completions))
+        .route("/v1/messages", post(messages::messages))
+        .route("/v1/messages/count_tokens", post(messages::count_tokens))
         .route("/v1/agent/tasks", post(agent::create_task))
         .route("/v1/tools", get(agent::list_tools))
         .route("/v1/control/tune", post(control::tune))
@@ -103,6 +110,9 @@ pub fn router(state: HttpState) -> Router {
         .route("/openapi.json", get(openapi::serve_document))
         .route("/ready", get(node::ready))
         .route("/metrics", get(node::metrics))
+        .route("/", get(console::index))
+        .route("/console/console.js", get(console::script))
+        .route("/console/console.css", get(console::style))
         // Outermost first: the key, then its limits.
         .layer(axum::middleware::from_fn_with_state(
             state.clone(),

@@ -97,7 +97,8 @@ fn tier_json(t: &mesh_actors::wire::TierAdvert) -> Value {
            "pages": t.pages.len()})
 }
 
-/// `GET /v1/cluster`: the members this node knows, its placement and its actors.
+/// `GET /v1/cluster`: the members this node knows, its placement, its actors and its KV
+/// pages by storage level.
 #[utoipa::path(get, path = "/v1/cluster", tag = "inference",
     responses(
         (status = 200, description = "Members, their tiers, load and health; placement; actors", body = Object),
@@ -128,12 +129,41 @@ pub(crate) async fn cluster(State(state): State<HttpState>) -> Json<Value> {
         Some(s) => ractor::call_t!(s, NodeMsg::Children, 2000).ok(),
         None => None,
     };
+    // This node's pages by storage level, per namespace.
+    let store = store_stats(&state).await;
+    let page_levels: Vec<Value> = store
+        .iter()
+        .map(|n| {
+            use std::sync::atomic::Ordering::Relaxed;
+            let s = &n.stats;
+            let mut pages =
+                json!({"ram": s.pages_ram.load(Relaxed), "disk": s.pages_disk.load(Relaxed)});
+            let mut bytes =
+                json!({"ram": s.bytes_ram.load(Relaxed), "disk": s.bytes_disk.load(Relaxed)});
+            if n.far_nodes.is_some() {
+                pages["far"] = s.pages_far.load(Relaxed).into();
+                bytes["far"] = s.bytes_far.load(Relaxed).into();
+            }
+            json!({"namespace": n.ns, "pages": pages, "bytes": bytes})
+        })
+        .collect();
     Json(json!({
         "clustered": state.service.cluster().is_some(),
         "members": members,
         "placement": state.placement,
         "actors": actors,
+        "page_levels": page_levels,
     }))
+}
+
+/// The page-store counters as the store actor has them now (none while it restarts).
+async fn store_stats(state: &HttpState) -> Vec<mesh_actors::pagestore::NamespaceStats> {
+    state
+        .service
+        .pages()
+        .call(StoreMsg::Stats)
+        .await
+        .unwrap_or_default()
 }
 
 /// `GET /health`.
@@ -171,13 +201,7 @@ pub(crate) async fn ready(State(state): State<HttpState>) -> Response {
 #[utoipa::path(get, path = "/metrics", tag = "node",
     responses((status = 200, description = "Prometheus text exposition", content_type = "text/plain", body = String)))]
 pub(crate) async fn metrics(State(state): State<HttpState>) -> Response {
-    // The page-store counters as the store actor has them now (none while it restarts).
-    let store = state
-        .service
-        .pages()
-        .call(StoreMsg::Stats)
-        .await
-        .unwrap_or_default();
+    let store = store_stats(&state).await;
     (
         [(
             header::CONTENT_TYPE,

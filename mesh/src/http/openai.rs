@@ -196,6 +196,17 @@ pub struct OutUsage {
     /// Breakdown of the completion tokens (OpenAI's shape).
     #[serde(default)]
     pub completion_tokens_details: CompletionDetails,
+    /// Breakdown of the prompt tokens (OpenAI's shape).
+    #[serde(default)]
+    pub prompt_tokens_details: PromptDetails,
+}
+
+/// `usage.prompt_tokens_details`.
+#[derive(Debug, Clone, Copy, Serialize, Deserialize, Default, PartialEq, Eq, ToSchema)]
+pub struct PromptDetails {
+    /// Prompt tokens not computed for this request: reused from a slot's kept KV or
+    /// restored from KV pages.
+    pub cached_tokens: usize,
 }
 
 /// `usage.completion_tokens_details`.
@@ -213,6 +224,9 @@ impl From<mesh_tiers::Usage> for OutUsage {
             total_tokens: u.prompt_tokens + u.completion_tokens,
             completion_tokens_details: CompletionDetails {
                 reasoning_tokens: u.reasoning_tokens,
+            },
+            prompt_tokens_details: PromptDetails {
+                cached_tokens: u.cached_tokens.min(u.prompt_tokens),
             },
         }
     }

@@ -9,10 +9,15 @@ use axum::response::{IntoResponse, Response};
 use utoipa::openapi::security::{Http, HttpAuthScheme, SecurityScheme};
 use utoipa::{Modify, OpenApi};
 
+use super::anthropic::{
+    AnthropicErrorBody, AnthropicErrorDetail, AnthropicMessage, AnthropicTool, Message,
+    MessageUsage, MessagesRequest, TokenCount,
+};
 use super::openai::{
     ChatChoice, ChatCompletion, ChatRequest, CompletionDetails, CompletionRequest, ErrorBody,
     ErrorDetail, InFunction, InFunctionCall, InMessage, InTool, InToolCall, OutFunctionCall,
-    OutMessage, OutToolCall, OutUsage, StopField, StreamOptions, TextChoice, TextCompletion,
+    OutMessage, OutToolCall, OutUsage, PromptDetails, StopField, StreamOptions, TextChoice,
+    TextCompletion,
 };
 
 /// The document.
@@ -20,13 +25,15 @@ use super::openai::{
 #[openapi(
     info(
         title = "mesh gateway",
-        description = "OpenAI-compatible inference, server-side agent tasks and the live policy of a mesh node. \
-            On a node with API keys every /v1 route needs `Authorization: Bearer <key>` with the route's scope \
+        description = "OpenAI- and Anthropic-compatible inference, server-side agent tasks and the live policy of a mesh node. \
+            On a node with API keys every /v1 route needs `Authorization: Bearer <key>` (or `x-api-key: <key>`) with the route's scope \
             (inference, agent, control)."
     ),
     paths(
         super::chat::chat_completions,
         super::chat::completions,
+        super::messages::messages,
+        super::messages::count_tokens,
         super::node::models,
         super::node::cluster,
         super::agent::create_task,
@@ -42,7 +49,9 @@ use super::openai::{
         ChatRequest, StreamOptions, StopField, InMessage, InToolCall, InFunctionCall, InTool,
         InFunction, CompletionRequest, ChatCompletion, ChatChoice, OutMessage, TextCompletion,
         TextChoice, OutUsage, CompletionDetails, OutToolCall, OutFunctionCall, ErrorBody, ErrorDetail,
-        AnyObject, super::node::ModelList, super::node::ModelCard, super::agent::TaskRequest,
+        PromptDetails, AnyObject, super::node::ModelList,
+        MessagesRequest, AnthropicMessage, AnthropicTool, Message, MessageUsage, TokenCount,
+        AnthropicErrorBody, AnthropicErrorDetail, super::node::ModelCard, super::agent::TaskRequest,
     )),
     modifiers(&BearerKeys),
     tags(
@@ -83,6 +92,37 @@ pub(crate) enum RouteErrors {
     /// No node can serve the model now; see `Retry-After`.
     #[response(status = 503)]
     Unavailable(ErrorBody),
+}
+
+/// What a Messages API route may answer besides its success (Anthropic's error shape;
+/// `Retry-After` with 429 and 503). Never built.
+#[allow(dead_code)]
+#[derive(utoipa::IntoResponses)]
+pub(crate) enum MessagesErrors {
+    /// Malformed or unsupported request.
+    #[response(status = 400)]
+    BadRequest(AnthropicErrorBody),
+    /// No API key, or not one of this node's.
+    #[response(status = 401)]
+    Unauthenticated(AnthropicErrorBody),
+    /// The key lacks the inference scope.
+    #[response(status = 403)]
+    Forbidden(AnthropicErrorBody),
+    /// Unknown model.
+    #[response(status = 404)]
+    NotFound(AnthropicErrorBody),
+    /// Body over `limits.max_body_bytes`.
+    #[response(status = 413)]
+    TooLarge(AnthropicErrorBody),
+    /// Over a rate or concurrency limit; see `Retry-After`.
+    #[response(status = 429)]
+    RateLimited(AnthropicErrorBody),
+    /// A fault on this node.
+    #[response(status = 500)]
+    Internal(AnthropicErrorBody),
+    /// No node can serve the model now; see `Retry-After`.
+    #[response(status = 503)]
+    Unavailable(AnthropicErrorBody),
 }
 
 /// What a control route may answer besides its success. Never built.
@@ -186,6 +226,8 @@ mod tests {
         for path in [
             "/v1/chat/completions",
             "/v1/completions",
+            "/v1/messages",
+            "/v1/messages/count_tokens",
             "/v1/models",
             "/v1/cluster",
             "/v1/agent/tasks",

@@ -447,6 +447,7 @@ impl TaskSpec {
 fn add_usage(total: &mut Usage, u: &Usage) {
     total.prompt_tokens += u.prompt_tokens;
     total.completion_tokens += u.completion_tokens;
+    total.cached_tokens += u.cached_tokens;
 }
 
 impl Service {

@@ -107,6 +107,7 @@ impl Service {
             total.prompt_tokens += c.usage.prompt_tokens;
             total.completion_tokens += c.usage.completion_tokens;
             total.reasoning_tokens += c.usage.reasoning_tokens;
+            total.cached_tokens += c.usage.cached_tokens;
             if a.verdict.kept() {
                 kept = Some(c);
                 break;
@@ -126,6 +127,7 @@ impl Service {
                     usage.prompt_tokens = total.prompt_tokens;
                     usage.completion_tokens = total.completion_tokens;
                     usage.reasoning_tokens = total.reasoning_tokens;
+                    usage.cached_tokens = total.cached_tokens;
                     TokenEvent::Done {
                         finish,
                         usage,

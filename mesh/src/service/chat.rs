@@ -519,6 +519,27 @@ impl Service {
         self.chat_with(call, self.policy()).await
     }
 
+    /// The prompt tokens a chat call would be answered from, tools routed as a completion
+    /// would route them (Anthropic's `count_tokens`). The cascade counts with its first
+    /// tier's tokenizer.
+    pub async fn count_tokens(&self, mut call: ChatCall) -> Result<usize, Error> {
+        let policy = self.policy();
+        let routed = self.route_tools(&mut call, policy.router_top_k).await;
+        let model = if call.model == policy.cascade.model {
+            policy
+                .cascade
+                .tiers
+                .first()
+                .cloned()
+                .ok_or_else(|| Error::unavailable("the cascade has no tiers"))?
+        } else {
+            call.model.clone()
+        };
+        let p = prepare(&call, routed.as_ref())?;
+        let mut tier = self.find_tier_waiting(&model, self.deadline()).await?;
+        Ok(self.tokenize(&mut tier, &model, p.prompt).await?.len())
+    }
+
     /// A chat completion under `policy` (the live one, or a tuner trial's).
     pub async fn chat_with(&self, mut call: ChatCall, policy: Arc<Policy>) -> Result<Reply, Error> {
         let arrived = Instant::now();
@@ -565,8 +586,12 @@ impl Service {
                 .await?;
             Ok(job.reply(self, rx, Some(permit), routed, arrived))
         }
-        .instrument(span)
+        .instrument(span.clone())
         .await
+        .map(|mut reply| {
+            reply.mesh.trace_id = crate::telemetry::trace_id(&span);
+            reply
+        })
     }
 
     /// A raw completion.
@@ -619,8 +644,12 @@ impl Service {
             let rx = self.submit(tier, &job, deadline).await?;
             Ok(job.reply(self, rx, Some(permit), None, arrived))
         }
-        .instrument(span)
+        .instrument(span.clone())
         .await
+        .map(|mut reply| {
+            reply.mesh.trace_id = crate::telemetry::trace_id(&span);
+            reply
+        })
     }
 }
 

@@ -164,6 +164,9 @@ pub struct MeshInfo {
     /// chosen at admission); sending it back repeats the draws.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub seed: Option<u64>,
+    /// The request's trace id (32 hex digits), when the node exports traces.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub trace_id: Option<String>,
 }
 
 /// A finished completion.
