@@ -102,8 +102,9 @@ pub const MAX_PAGE_FRAME: usize = 256 << 20;
 /// Pages a peer sent for one pull: `(page id, stored bytes)` in prefix order.
 pub type PulledPages = Vec<([u8; 32], Vec<u8>)>;
 
-/// One page pull in flight, shared by every caller that wants the same pages.
-type PagePull = Shared<BoxFuture<'static, Result<Arc<PulledPages>, CallError>>>;
+/// One page pull in flight, shared by every caller that wants the same pages: its result is
+/// how many pages the first caller's `keep` kept.
+type PagePull = Shared<BoxFuture<'static, Result<usize, CallError>>>;
 
 /// Process-wide counters of page pulls (exported as metrics by the node).
 #[derive(Debug, Default)]
@@ -836,14 +837,20 @@ impl Cluster {
     ///
     /// Concurrent calls for the same pages of the same peer share one pull: when several
     /// requests with one prefix arrive together (agents started at once), the pages cross
-    /// the wire once and every caller gets them.
-    pub async fn fetch_pages(
+    /// the wire once. The pulled pages go to the starting caller's `keep` (which stores
+    /// them) before the pull ends, so a call that comes after the end finds them stored
+    /// instead of pulling them again; every caller gets what `keep` returned.
+    pub async fn fetch_pages<K>(
         &self,
         node: &str,
         model: &str,
         salt: [u8; 32],
         ids: Vec<[u8; 32]>,
-    ) -> Result<PulledPages, CallError> {
+        keep: K,
+    ) -> Result<usize, CallError>
+    where
+        K: FnOnce(PulledPages) -> BoxFuture<'static, usize> + Send + 'static,
+    {
         let key = pull_key(node, model, &salt, &ids);
         let pull = match self.inner.pulls.entry(key) {
             dashmap::Entry::Occupied(e) => {
@@ -854,11 +861,14 @@ impl Cluster {
                 PULL_STATS.started.fetch_add(1, Ordering::Relaxed);
                 let (this, node, model) = (self.clone(), node.to_owned(), model.to_owned());
                 let pull = async move {
-                    let got = this.pull_pages(&node, &model, salt, ids).await;
-                    // Later calls start a fresh pull (the pages are stored by then, or the
+                    let kept = match this.pull_pages(&node, &model, salt, ids).await {
+                        Ok(pages) => Ok(keep(pages).await),
+                        Err(e) => Err(e),
+                    };
+                    // Later calls start a fresh pull (the pages are stored by now, or the
                     // pull failed and deserves another try).
                     this.inner.pulls.remove(&key);
-                    got.map(Arc::new)
+                    kept
                 }
                 .boxed()
                 .shared();
@@ -866,7 +876,7 @@ impl Cluster {
                 pull
             }
         };
-        pull.await.map(|pages| pages.as_ref().clone())
+        pull.await
     }
 
     /// One page pull over its own stream.

@@ -15,6 +15,7 @@ use std::sync::atomic::Ordering::Relaxed;
 use std::sync::Arc;
 use std::time::Duration;
 
+use futures::FutureExt;
 use mesh_actors::engines::{Engines, TierEntry};
 use mesh_actors::pagestore::{PageStores, StoreMsg};
 use mesh_actors::routing::{self, Candidate};
@@ -547,25 +548,33 @@ pub async fn prefetch(d: &Dispatcher, model: &str, prompt: &[i32], scope: &str) 
     span.record("mesh.kv.peer", node.as_str());
     let want: Vec<[u8; 32]> = ids[local..run].iter().map(|i| i.0).collect();
     let t0 = std::time::Instant::now();
-    match cluster.fetch_pages(&node, model, salt.0, want).await {
-        Ok(got) => {
-            // Keep the pulled pages that continue the prefix, in order.
-            let pulled: Vec<(PageId, bytes::Bytes)> = got
-                .into_iter()
-                .zip(&ids[local..])
-                .take_while(|((id, _), expect)| *id == expect.0)
-                .map(|((id, stored), _)| (PageId(id), bytes::Bytes::from(stored)))
-                .collect();
-            let n = d
-                .pages
-                .call(|reply| StoreMsg::PutStored {
-                    ns: model.to_owned(),
-                    salt,
-                    pages: pulled.clone(),
-                    reply,
-                })
-                .await
-                .unwrap_or(0);
+    // Keep the pulled pages that continue the prefix, in order, in this node's store (before
+    // the pull ends, so a request arriving after it finds them local).
+    let keep = {
+        let (store, ns, expect) = (d.pages.clone(), model.to_owned(), ids[local..].to_vec());
+        move |got: mesh_actors::cluster::PulledPages| {
+            async move {
+                let pulled: Vec<(PageId, bytes::Bytes)> = got
+                    .into_iter()
+                    .zip(&expect)
+                    .take_while(|((id, _), expect)| *id == expect.0)
+                    .map(|((id, stored), _)| (PageId(id), bytes::Bytes::from(stored)))
+                    .collect();
+                store
+                    .call(|reply| StoreMsg::PutStored {
+                        ns: ns.clone(),
+                        salt,
+                        pages: pulled.clone(),
+                        reply,
+                    })
+                    .await
+                    .unwrap_or(0)
+            }
+            .boxed()
+        }
+    };
+    match cluster.fetch_pages(&node, model, salt.0, want, keep).await {
+        Ok(n) => {
             span.record("mesh.kv.pages_pulled", n);
             tracing::debug!(%node, tier = %model, pages = n, ms = t0.elapsed().as_millis() as u64, "pulled prefix pages from a peer");
             n
