@@ -6,6 +6,8 @@
 #                            ARGS go to `cargo test`
 #   ./dev.sh bench [ARGS]    set up, build llama.cpp's llama-server, run mesh-bench;
 #                            ARGS go to mesh-bench
+#   ./dev.sh image [ARGS]    set up, build, write the container image (OCI archive) with
+#                            scripts/image.py; ARGS go to it (docs/fleet.md)
 #
 # Everything is built with the release profile, so the llama.cpp build is done
 # once and shared by the build, the tests and the benchmarks.
@@ -95,10 +97,16 @@ cmd_bench() {
     exec cargo run --release -p mesh-bench -- "$@"
 }
 
+cmd_image() {
+    scripts/setup.sh --build
+    exec "$ROOT/.venv/bin/python" scripts/image.py "$@"
+}
+
 case "${1:-}" in
     demo) shift; cmd_demo "$@" ;;
     test) shift; cmd_test "$@" ;;
     bench) shift; cmd_bench "$@" ;;
+    image) shift; cmd_image "$@" ;;
     -h|--help|help) usage ;;
     *) usage >&2; exit 2 ;;
 esac

@@ -39,6 +39,8 @@ APT_PACKAGES=(
     fonts-dejavu-core  # the font mesh-bench report draws plot text with
     chromium         # the web console's browser tests (headless)
     chromium-driver  # ... and the WebDriver they drive it through
+    podman           # the container image test loads scripts/image.py's archive
+    binutils         # readelf/strip: scripts/image.py finds and strips the image's files
 )
 
 is_installed() {

@@ -52,6 +52,9 @@ const CLOSE_LEAVING: u32 = 0x22;
 pub struct ClusterConfig {
     /// QUIC listen address.
     pub listen: SocketAddr,
+    /// The QUIC address peers dial, when it is not the bound one (a node listening on
+    /// `0.0.0.0` advertises its pod or host address).
+    pub advertise: Option<SocketAddr>,
     /// HTTP gateway address advertised to peers (for `mesh status`).
     pub http_addr: String,
     /// Peers to join through (`HOST:PORT`); empty to start a new cluster.
@@ -73,6 +76,7 @@ impl Default for ClusterConfig {
     fn default() -> Self {
         Self {
             listen: SocketAddr::from(([127, 0, 0, 1], 7070)),
+            advertise: None,
             http_addr: String::new(),
             seeds: vec![],
             heartbeat: Duration::from_millis(250),
@@ -268,10 +272,16 @@ impl Cluster {
         tasks: Tasks,
     ) -> Result<Self, String> {
         let me = endpoint.name().to_owned();
-        let quic_addr = endpoint
-            .local_addr()
-            .map_err(|e| e.to_string())?
-            .to_string();
+        let bound = endpoint.local_addr().map_err(|e| e.to_string())?;
+        let advertised = match crate::seeds::advertised_addr(bound, cfg.advertise) {
+            Ok(a) => a,
+            Err(e) => {
+                endpoint.close(CLOSE_LEAVING);
+                tasks.close();
+                return Err(e);
+            }
+        };
+        let quic_addr = advertised.to_string();
         let local = source().await;
         let inner = Arc::new(Inner {
             members: Mutex::new(Membership::new(me.clone())),
@@ -302,6 +312,11 @@ impl Cluster {
         let mut errors = vec![];
         let mut joined = c.inner.cfg.seeds.is_empty();
         for seed in c.inner.cfg.seeds.clone() {
+            if c.seed_is_self(&seed) {
+                info!(%seed, "seed is this node; it starts the cluster if no other seed answers");
+                joined = true;
+                continue;
+            }
             match c.dial_seed(&seed).await {
                 Ok(peer) => {
                     info!(%seed, %peer, "joined through seed");
@@ -346,11 +361,22 @@ impl Cluster {
         &self.inner.quic_addr
     }
 
+    /// Whether `seed` names this node (see [`crate::seeds::names_self`]).
+    fn seed_is_self(&self, seed: &str) -> bool {
+        self.inner
+            .quic_addr
+            .parse()
+            .is_ok_and(|a| crate::seeds::names_self(seed, &self.inner.me, a))
+    }
+
     async fn dial_seed(&self, seed: &str) -> Result<String, String> {
-        let addrs: Vec<SocketAddr> = tokio::net::lookup_host(seed)
+        let resolved = tokio::net::lookup_host(seed)
             .await
-            .map_err(|e| format!("resolving: {e}"))?
-            .collect();
+            .map_err(|e| format!("resolving: {e}"))?;
+        let addrs: Vec<SocketAddr> = match self.inner.quic_addr.parse() {
+            Ok(me) => crate::seeds::others(resolved, me),
+            Err(_) => resolved.collect(),
+        };
         let mut last = String::from("no address");
         for addr in addrs {
             match self.inner.endpoint.connect(addr).await {
@@ -621,6 +647,9 @@ impl Cluster {
                 .map(|p| p.advert.quic_addr.clone())
                 .collect();
             for seed in &self.inner.cfg.seeds {
+                if self.seed_is_self(seed) {
+                    continue;
+                }
                 let seed_known = tokio::net::lookup_host(seed.as_str())
                     .await
                     .map(|mut a| a.any(|a| known.contains(&a.to_string())))

@@ -31,6 +31,7 @@ pub mod pagestore;
 pub mod remote;
 pub mod router;
 pub mod routing;
+pub mod seeds;
 pub mod supervisor;
 pub mod tasks;
 pub mod tier;

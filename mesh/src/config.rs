@@ -388,6 +388,10 @@ pub struct ClusterSettings {
     pub name: String,
     /// QUIC (UDP) address for peers.
     pub listen: SocketAddr,
+    /// The QUIC address peers dial when it is not `listen` (required when `listen` is
+    /// `0.0.0.0`, e.g. the pod IP in Kubernetes). The gateway address shown to peers
+    /// takes its host too when the gateway listens on `0.0.0.0`.
+    pub advertise: Option<SocketAddr>,
     /// `HOST:PORT` of nodes to join through; empty starts a new cluster.
     pub seeds: Vec<String>,
     /// Folder with `ca.pem`, `<name>.pem`, `<name>.key` (`mesh cert`).
@@ -406,6 +410,7 @@ impl Default for ClusterSettings {
         Self {
             name: String::new(),
             listen: "127.0.0.1:7070".parse().expect("valid literal"),
+            advertise: None,
             seeds: vec![],
             cert_dir: default_cert_dir(),
             heartbeat_ms: 250,
@@ -426,11 +431,16 @@ pub fn default_cert_dir() -> PathBuf {
 }
 
 impl ClusterSettings {
-    /// The cluster layer's config.
-    pub fn to_cluster_config(&self, http_addr: String) -> mesh_actors::ClusterConfig {
+    /// The cluster layer's config; `http` is the gateway's bound address.
+    pub fn to_cluster_config(&self, http: SocketAddr) -> mesh_actors::ClusterConfig {
+        let http_addr = match self.advertise {
+            Some(a) if http.ip().is_unspecified() => SocketAddr::new(a.ip(), http.port()),
+            _ => http,
+        };
         mesh_actors::ClusterConfig {
             listen: self.listen,
-            http_addr,
+            advertise: self.advertise,
+            http_addr: http_addr.to_string(),
             seeds: self.seeds.clone(),
             heartbeat: std::time::Duration::from_millis(self.heartbeat_ms),
             failure_timeout: std::time::Duration::from_millis(self.failure_timeout_ms),

@@ -19,6 +19,8 @@
 pub mod client;
 #[cfg(feature = "node")]
 pub mod config;
+#[cfg(feature = "node")]
+pub mod deploy;
 pub mod env;
 #[cfg(feature = "node")]
 pub mod http;

@@ -33,6 +33,68 @@ enum Cmd {
     /// Write another GGUF variant of a tier's model (llama.cpp quantization), for the
     /// quantization policy. The bundled tiers are q8_0, so this requantizes them.
     Quantize(QuantizeArgs),
+    /// Deployment files for a cluster.
+    #[command(subcommand)]
+    Deploy(DeployCmd),
+}
+
+#[derive(Subcommand, Debug)]
+enum DeployCmd {
+    /// Print Kubernetes manifests: a StatefulSet per node pool, Services, the cluster
+    /// certificates and API keys as Secrets, the node config as a ConfigMap, disruption
+    /// budgets (docs/fleet.md). Issues a certificate per pod from the CA in the cert folder.
+    K8s(K8sArgs),
+}
+
+#[derive(clap::Args, Debug)]
+struct K8sArgs {
+    /// Tiers of the default pool `node` (comma-separated; default: every configured tier).
+    #[arg(long, value_delimiter = ',')]
+    tiers: Vec<String>,
+    /// Nodes in the default pool.
+    #[arg(long, default_value_t = 1)]
+    replicas: u32,
+    /// A node pool NAME=TIER[+TIER..][:REPLICAS] (repeatable), e.g. `small=t1+t2:3`,
+    /// `large=t3:2`; replaces the default pool.
+    #[arg(long = "pool", value_name = "POOL")]
+    pools: Vec<String>,
+    /// `kubernetes.io/arch` of the Kubernetes nodes: amd64 or arm64.
+    #[arg(long, default_value = "amd64")]
+    arch: String,
+    /// Container image (default mesh:VERSION-ARCH, as scripts/image.sh tags it).
+    #[arg(long)]
+    image: Option<String>,
+    /// Prefix of every object's name.
+    #[arg(long, default_value = "mesh")]
+    name: String,
+    /// Namespace of the objects (default: kubectl's).
+    #[arg(long)]
+    namespace: Option<String>,
+    /// Node config the pods use (its tiers are rewritten to the image's model folder).
+    #[arg(long)]
+    config: Option<PathBuf>,
+    /// llama.cpp threads per tier (each one core of the CPU request).
+    #[arg(long, default_value_t = 2)]
+    threads: i32,
+    /// Cert folder with the cluster CA (`mesh cert init`); pod certificates are issued
+    /// into it when missing. Default $MESH_CERT_DIR or ~/.mesh/certs.
+    #[arg(long)]
+    cert_dir: Option<PathBuf>,
+    /// API key file (`mesh keys create`) the nodes ask keys from.
+    #[arg(long, required_unless_present = "insecure_no_auth")]
+    keys: Option<PathBuf>,
+    /// Run the nodes without API keys (anyone who reaches a pod may use it).
+    #[arg(long)]
+    insecure_no_auth: bool,
+    /// Gateway port.
+    #[arg(long, default_value_t = 8080)]
+    http_port: u16,
+    /// QUIC port.
+    #[arg(long, default_value_t = 7070)]
+    quic_port: u16,
+    /// Write the manifests here instead of standard output (mode 0600: they hold keys).
+    #[arg(long)]
+    out: Option<PathBuf>,
 }
 
 #[derive(clap::Args, Debug)]
@@ -214,6 +276,10 @@ struct JoinArgs {
     /// QUIC (UDP) listen address for peers.
     #[arg(long, default_value = "127.0.0.1:7070")]
     quic: SocketAddr,
+    /// QUIC address peers dial, when not `--quic` (required with `--quic 0.0.0.0:PORT`;
+    /// in Kubernetes the pod IP).
+    #[arg(long)]
+    advertise: Option<SocketAddr>,
     /// Cert folder (default $MESH_CERT_DIR or ~/.mesh/certs).
     #[arg(long)]
     cert_dir: Option<PathBuf>,
@@ -419,6 +485,9 @@ fn join_config(a: &JoinArgs) -> anyhow::Result<NodeConfig> {
     let mut cs = cfg.cluster.take().unwrap_or_default();
     cs.name = a.name.clone();
     cs.listen = a.quic;
+    if a.advertise.is_some() {
+        cs.advertise = a.advertise;
+    }
     if !a.seeds.is_empty() {
         cs.seeds = a.seeds.clone();
     }
@@ -578,6 +647,172 @@ fn quantize(a: &QuantizeArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
+fn deploy_k8s(a: &K8sArgs) -> anyhow::Result<()> {
+    use mesh::deploy::{self, K8sPlan, Pool, TierNeeds};
+    let mut cfg = NodeConfig::load(a.config.as_deref())?;
+    for t in &mut cfg.tiers {
+        t.threads = a.threads;
+    }
+    let pools: Vec<Pool> = if a.pools.is_empty() {
+        let tiers = if a.tiers.is_empty() {
+            cfg.tiers.iter().map(|t| t.name.clone()).collect()
+        } else {
+            a.tiers.clone()
+        };
+        vec![Pool {
+            name: "node".into(),
+            tiers,
+            replicas: a.replicas,
+        }]
+    } else {
+        anyhow::ensure!(
+            a.tiers.is_empty(),
+            "give either --tiers/--replicas or --pool"
+        );
+        a.pools
+            .iter()
+            .map(|p| Pool::parse(p))
+            .collect::<Result<_, _>>()
+            .map_err(anyhow::Error::msg)?
+    };
+    let used: Vec<&str> = {
+        let mut v: Vec<&str> = pools
+            .iter()
+            .flat_map(|p| p.tiers.iter().map(String::as_str))
+            .collect();
+        v.sort_unstable();
+        v.dedup();
+        v
+    };
+    let unknown: Vec<&&str> = used
+        .iter()
+        .filter(|u| !cfg.tiers.iter().any(|t| t.name == **u))
+        .collect();
+    anyhow::ensure!(
+        unknown.is_empty(),
+        "unknown tier(s) {unknown:?}; configured: {:?}",
+        cfg.tiers.iter().map(|t| &t.name).collect::<Vec<_>>()
+    );
+    cfg.resolve_drafts();
+    let tiers: Vec<mesh_tiers::EngineConfig> = cfg
+        .tiers
+        .iter()
+        .filter(|t| used.contains(&t.name.as_str()))
+        .cloned()
+        .collect();
+    let mut needs = vec![];
+    for t in &tiers {
+        let shape = mesh_tiers::ModelShape::read(&t.model)?;
+        let draft = match &t.draft {
+            Some(d) => Some(mesh_tiers::ModelShape::read(&d.model)?),
+            None => None,
+        };
+        needs.push(TierNeeds {
+            name: t.name.clone(),
+            memory_bytes: mesh_tiers::tier_memory_bytes(t, &shape, draft.as_ref()),
+            threads: t.threads.max(1) as u32,
+        });
+    }
+    let base = match &a.config {
+        Some(p) => {
+            Some(std::fs::read_to_string(p).map_err(|e| anyhow::anyhow!("{}: {e}", p.display()))?)
+        }
+        None => None,
+    };
+    let node_toml = deploy::node_toml(base.as_deref(), &tiers, &mesh::config::models_dir())
+        .map_err(anyhow::Error::msg)?;
+    // Certificates: the CA's, and one per pod (issued when missing).
+    let dir = a
+        .cert_dir
+        .clone()
+        .unwrap_or_else(mesh::config::default_cert_dir);
+    let read = |name: &str| -> anyhow::Result<String> {
+        let p = dir.join(name);
+        std::fs::read_to_string(&p).map_err(|e| anyhow::anyhow!("{}: {e}", p.display()))
+    };
+    anyhow::ensure!(
+        dir.join("ca.pem").exists() && dir.join("ca.key").exists(),
+        "no cluster CA in {}: run `mesh cert init --dir {}` first",
+        dir.display(),
+        dir.display()
+    );
+    let mut cert_files = vec![("ca.pem".to_owned(), read("ca.pem")?)];
+    let mut issued = vec![];
+    for pod in deploy::pod_names(&a.name, &pools) {
+        if !dir.join(format!("{pod}.pem")).exists() || !dir.join(format!("{pod}.key")).exists() {
+            mesh_transport::tls::issue(&dir, &pod)?;
+            issued.push(pod.clone());
+        }
+        cert_files.push((format!("{pod}.pem"), read(&format!("{pod}.pem"))?));
+        cert_files.push((format!("{pod}.key"), read(&format!("{pod}.key"))?));
+    }
+    if !issued.is_empty() {
+        eprintln!(
+            "issued certificates in {}: {}",
+            dir.display(),
+            issued.join(", ")
+        );
+    }
+    let keys_json = match &a.keys {
+        Some(p) => {
+            let text =
+                std::fs::read_to_string(p).map_err(|e| anyhow::anyhow!("{}: {e}", p.display()))?;
+            let f: mesh::keys::KeyFile =
+                serde_json::from_str(&text).map_err(|e| anyhow::anyhow!("{}: {e}", p.display()))?;
+            anyhow::ensure!(
+                !f.keys.is_empty(),
+                "{} holds no key: nodes would refuse every request (`mesh keys create`)",
+                p.display()
+            );
+            Some(text)
+        }
+        None => None,
+    };
+    let version = env!("CARGO_PKG_VERSION");
+    let plan = K8sPlan {
+        name: a.name.clone(),
+        namespace: a.namespace.clone(),
+        image: a
+            .image
+            .clone()
+            .unwrap_or_else(|| format!("mesh:{version}-{}", a.arch)),
+        arch: a.arch.clone(),
+        pools,
+        tiers: needs,
+        node_toml,
+        cert_files,
+        keys_json,
+        http_port: a.http_port,
+        quic_port: a.quic_port,
+    };
+    let docs = deploy::manifests(&plan).map_err(anyhow::Error::msg)?;
+    let pods = deploy::pod_names(&plan.name, &plan.pools).len();
+    let header = format!(
+        "Kubernetes manifests of a mesh {version} cluster: {} pool(s), {pods} pod(s), {}.\n\
+         Apply with `kubectl apply -f FILE`. The Secrets hold node keys and API keys: keep this file private.",
+        plan.pools.len(),
+        plan.arch
+    );
+    let yaml = deploy::to_yaml(&header, &docs).map_err(anyhow::Error::msg)?;
+    match &a.out {
+        Some(p) => {
+            use std::io::Write;
+            use std::os::unix::fs::OpenOptionsExt;
+            let mut f = std::fs::OpenOptions::new()
+                .write(true)
+                .create(true)
+                .truncate(true)
+                .mode(0o600)
+                .open(p)
+                .map_err(|e| anyhow::anyhow!("{}: {e}", p.display()))?;
+            f.write_all(yaml.as_bytes())?;
+            eprintln!("{} manifests written to {}", docs.len(), p.display());
+        }
+        None => print!("{yaml}"),
+    }
+    Ok(())
+}
+
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
@@ -606,6 +841,7 @@ async fn main() -> anyhow::Result<()> {
         Cmd::Keys(k) => keys_cmd(k),
         Cmd::Topology(a) => topology(&a),
         Cmd::Quantize(a) => quantize(&a),
+        Cmd::Deploy(DeployCmd::K8s(a)) => deploy_k8s(&a),
         Cmd::Join(a) => run_node(join_config(&a)?).await,
         Cmd::Up(a) => {
             let cfg = node_config(&a)?;

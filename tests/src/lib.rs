@@ -32,6 +32,17 @@ pub fn run_python(script: &str, args: &[&str]) {
     );
 }
 
+/// The members a node's gateway lists (`GET /v1/cluster`).
+pub async fn members(http: &str) -> Vec<serde_json::Value> {
+    let v: serde_json::Value = reqwest::get(format!("{http}/v1/cluster"))
+        .await
+        .expect("cluster endpoint")
+        .json()
+        .await
+        .expect("json");
+    v["members"].as_array().cloned().unwrap_or_default()
+}
+
 /// The `mesh` binary next to the test executable.
 pub fn mesh_bin() -> PathBuf {
     // target/<profile>/deps/cluster-HASH -> target/<profile>/mesh

@@ -10,19 +10,9 @@ use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
-use mesh_tests::{mesh, Node};
+use mesh_tests::{members, mesh, Node};
 
 use serde_json::{json, Value};
-
-async fn members(http: &str) -> Vec<Value> {
-    let v: Value = reqwest::get(format!("{http}/v1/cluster"))
-        .await
-        .expect("cluster endpoint")
-        .json()
-        .await
-        .expect("json");
-    v["members"].as_array().cloned().unwrap_or_default()
-}
 
 fn state_of(ms: &[Value], node: &str) -> Option<String> {
     ms.iter()

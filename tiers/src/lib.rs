@@ -40,6 +40,7 @@ pub mod markers;
 pub mod plan;
 pub mod quantize;
 mod request;
+mod shape;
 mod sampler;
 pub mod speculative;
 pub mod stop;
@@ -49,4 +50,5 @@ pub use config::{
 };
 pub use engine::{backend, Engine, EngineStats, ModelInfo, PageHandles};
 pub use error::TierError;
+pub use shape::{tier_memory_bytes, ModelShape, CONTEXT_OVERHEAD_BYTES};
 pub use request::{FinishReason, GenerateRequest, SamplingParams, TokenEvent, Usage};

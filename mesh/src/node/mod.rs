@@ -307,7 +307,7 @@ pub async fn start(
     let cluster = match cluster {
         None => None,
         Some((identity, cs)) => {
-            let ccfg = cs.to_cluster_config(addr.to_string());
+            let ccfg = cs.to_cluster_config(addr);
             let endpoint = mesh_transport::Endpoint::bind(&identity, cs.listen, &ccfg.transport)?;
             let exported = mesh_actors::remote::Exports::default();
             exports::export_store(&exported, pages.clone());
