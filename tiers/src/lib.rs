@@ -40,8 +40,8 @@ pub mod markers;
 pub mod plan;
 pub mod quantize;
 mod request;
-mod shape;
 mod sampler;
+mod shape;
 pub mod speculative;
 pub mod stop;
 
@@ -50,5 +50,5 @@ pub use config::{
 };
 pub use engine::{backend, Engine, EngineStats, ModelInfo, PageHandles};
 pub use error::TierError;
-pub use shape::{tier_memory_bytes, ModelShape, CONTEXT_OVERHEAD_BYTES};
 pub use request::{FinishReason, GenerateRequest, SamplingParams, TokenEvent, Usage};
+pub use shape::{tier_memory_bytes, ModelShape, CONTEXT_OVERHEAD_BYTES};
