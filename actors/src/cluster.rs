@@ -35,9 +35,9 @@ use crate::routing::Candidate;
 use crate::supervisor::ActorSlot;
 use crate::tasks::{Life, Tasks};
 use crate::wire::{
-    Answer, CallStatus, Control, Envelope, ErrorClass, Event, GenerateCall, Header, NamespacePages,
-    NodeAdvert, PageBlob, RemoteError, Reply, Request, RouterCall, RouterItem, StoreCall,
-    StoreItem, TierAdvert, TierCall, TierItem,
+    Answer, CallStatus, Capacity, Control, Envelope, ErrorClass, Event, GenerateCall, Header,
+    NamespacePages, NodeAdvert, PageBlob, RemoteError, Reply, Request, RouterCall, RouterItem,
+    StoreCall, StoreItem, TierAdvert, TierCall, TierItem,
 };
 
 /// Connection close code when a peer is declared dead.
@@ -95,6 +95,8 @@ pub struct LocalAdvert {
     pub tiers: Vec<TierAdvert>,
     /// Pages held outside the tiers' own namespaces (a store node's).
     pub pages: Vec<NamespacePages>,
+    /// Room for more tiers, and the tiers this node would start.
+    pub capacity: Capacity,
 }
 
 /// Builds this node's advert (the node reads its engines and asks its page store).
@@ -186,6 +188,8 @@ pub struct MemberView {
     pub uptime_s: u64,
     /// Milliseconds since its last heartbeat (0 for this node).
     pub last_seen_ms: u64,
+    /// Room for more tiers, and the tiers it would start.
+    pub capacity: Capacity,
 }
 
 struct Inner {
@@ -585,6 +589,7 @@ impl Cluster {
             roles: self.inner.roles.clone(),
             actors: self.inner.exports.names(),
             pages: local.pages,
+            capacity: local.capacity,
         }
     }
 
@@ -1143,6 +1148,7 @@ impl Cluster {
             actors: self.inner.exports.names(),
             uptime_s: now.saturating_sub(self.inner.started_ms) / 1000,
             last_seen_ms: 0,
+            capacity: local.capacity,
         };
         let m = self.inner.members.lock().expect("members");
         std::iter::once(me)
@@ -1168,6 +1174,7 @@ impl Cluster {
                         .collect(),
                     uptime_s: now.saturating_sub(p.advert.started_ms) / 1000,
                     last_seen_ms: p.last_seen.elapsed().as_millis() as u64,
+                    capacity: p.advert.capacity.clone(),
                 }
             }))
             .collect()

@@ -35,7 +35,7 @@
 //! nobody holds its lease and its engine counts no running or queued sequence (the actor
 //! checks every [`DRAIN_POLL`]).
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::io::Read as _;
 use std::path::PathBuf;
 use std::sync::atomic::Ordering::Relaxed;
@@ -55,6 +55,10 @@ use crate::tier::{TierActor, TierDescription, TierMsg};
 
 /// How often a retired engine is checked for idleness.
 pub const DRAIN_POLL: Duration = Duration::from_millis(50);
+
+/// A drained tier keeps running at least this long, idle or not: a peer that picked it
+/// from an advert sent before the drain still gets its call taken.
+pub const DRAIN_GRACE: Duration = Duration::from_secs(2);
 
 /// A running tier as the request path sees it.
 #[derive(Debug, Clone)]
@@ -82,6 +86,8 @@ pub struct VariantEntry {
     /// Held by every request picked for this engine until its response ends; the engine is
     /// stopped only when nobody else holds it and its queue is empty.
     pub lease: Arc<()>,
+    /// When it entered its current state (started, or retired).
+    pub since: Instant,
 }
 
 /// Variant engines by engine id ([`engine_id`]).
@@ -162,8 +168,13 @@ pub struct Engines {
     variants: Variants,
     /// Variants the policy wants, with their configs (restarted with the actor).
     wanted: Arc<Mutex<BTreeMap<String, EngineConfig>>>,
-    /// Retired engines still finishing requests (the entry without its lease).
+    /// Retired engines still finishing requests (the entry without its lease); a drained
+    /// tier's own engine is here under the tier's name.
     draining: Arc<DashMap<String, VariantEntry>>,
+    /// Configured tiers this node does not run now: it starts them on request.
+    standby: Arc<Mutex<BTreeSet<String>>>,
+    /// Running tiers started on request rather than by the config.
+    on_request: Arc<Mutex<BTreeSet<String>>>,
     changed: Arc<watch::Sender<u64>>,
     actor: Arc<ActorSlot<EnginesMsg>>,
     on_change: Arc<OnceLock<Hook>>,
@@ -190,6 +201,8 @@ impl Engines {
             variants: Variants::default(),
             wanted: Arc::default(),
             draining: Arc::default(),
+            standby: Arc::default(),
+            on_request: Arc::default(),
             changed: Arc::new(watch::Sender::new(0)),
             actor: Arc::default(),
             on_change: Arc::default(),
@@ -199,6 +212,92 @@ impl Engines {
     /// Engines of no tier (a node that hosts none).
     pub fn none() -> Self {
         Self::new(&[])
+    }
+
+    /// Marks the configured tiers `names` as standby: not started with the node, started
+    /// when asked ([`Engines::load`]). Names without a config are ignored.
+    pub fn with_standby<'a>(self, names: impl IntoIterator<Item = &'a str>) -> Self {
+        {
+            let mut s = lock(&self.standby);
+            for n in names {
+                if self.tiers.contains_key(n) {
+                    s.insert(n.to_owned());
+                }
+            }
+        }
+        self
+    }
+
+    /// Tiers started with the node (configured, not standby).
+    pub fn autostart(&self) -> Vec<String> {
+        let s = lock(&self.standby);
+        self.tiers
+            .keys()
+            .filter(|n| !s.contains(*n))
+            .cloned()
+            .collect()
+    }
+
+    /// The config of tier `tier`, if this node has one.
+    pub fn config(&self, tier: &str) -> Option<&EngineConfig> {
+        self.tiers.get(tier)
+    }
+
+    /// Configured tiers not running now that this node starts on request.
+    pub fn loadable(&self) -> Vec<String> {
+        lock(&self.standby).iter().cloned().collect()
+    }
+
+    /// Running tiers started on request.
+    pub fn on_request(&self) -> Vec<String> {
+        lock(&self.on_request).iter().cloned().collect()
+    }
+
+    /// Threads of the engines running now (tiers and variants, draining ones included).
+    pub fn threads_used(&self) -> u32 {
+        let t = |cfg: Option<&EngineConfig>| cfg.map_or(0, |c| c.threads.max(1) as u32);
+        let tiers: u32 = self
+            .registry
+            .iter()
+            .map(|e| t(self.tiers.get(e.key())))
+            .sum();
+        let others: u32 = self
+            .variants
+            .iter()
+            .chain(self.draining.iter())
+            .map(|v| t(self.tiers.get(&v.tier)))
+            .sum();
+        tiers + others
+    }
+
+    /// Starts tier `tier` from its config (a planner's request); already running is done.
+    /// A tier draining here is taken back into service.
+    ///
+    /// Cancel safety: cancel-safe (the actor finishes the start).
+    pub async fn load(&self, tier: &str) -> Result<(), String> {
+        let actor = self
+            .actor
+            .get()
+            .ok_or("this node's engines are not running")?;
+        let tier = tier.to_owned();
+        ractor::call!(actor, |reply| EnginesMsg::LoadTier { tier, reply })
+            .map_err(|e| e.to_string())
+            .and_then(|r| r)
+    }
+
+    /// Takes tier `tier` out of service: it leaves the registry (and the adverts) at once
+    /// and stops once its requests are done.
+    ///
+    /// Cancel safety: cancel-safe.
+    pub async fn drain(&self, tier: &str) -> Result<(), String> {
+        let actor = self
+            .actor
+            .get()
+            .ok_or("this node's engines are not running")?;
+        let tier = tier.to_owned();
+        ractor::call!(actor, |reply| EnginesMsg::DrainTier { tier, reply })
+            .map_err(|e| e.to_string())
+            .and_then(|r| r)
     }
 
     /// Calls `hook` whenever a tier starts or stops (first call wins): membership uses it
@@ -224,9 +323,10 @@ impl Engines {
         self.tiers.keys().map(String::as_str)
     }
 
-    /// Whether this node is configured to host `tier`.
+    /// Whether this node hosts `tier`: configured for it and not in standby (a request
+    /// waits for such a tier while it restarts).
     pub fn hosts(&self, tier: &str) -> bool {
-        self.tiers.contains_key(tier)
+        self.tiers.contains_key(tier) && !lock(&self.standby).contains(tier)
     }
 
     /// The running tier `tier`.
@@ -459,6 +559,8 @@ impl Engines {
                         .and_then(|_| pages.iter().find(|(ns, _)| ns == e.key()))
                         .map(|(_, ids)| ids.clone())
                         .unwrap_or_default(),
+                    started: s.started.load(Relaxed),
+                    queued_ms_total: s.queued_ms_total.load(Relaxed),
                 }
             })
             .collect();
@@ -512,6 +614,10 @@ impl Engines {
     }
 }
 
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
 /// The file exists and starts with the GGUF magic.
 fn check_gguf(path: &std::path::Path) -> Result<(), String> {
     let mut f = std::fs::File::open(path).map_err(|e| match e.kind() {
@@ -553,6 +659,20 @@ pub enum EnginesMsg {
     Retire {
         /// Engine ids.
         ids: Vec<String>,
+    },
+    /// Start tier `tier` from its config, or take it back from draining.
+    LoadTier {
+        /// Tier name.
+        tier: String,
+        /// The outcome.
+        reply: RpcReplyPort<Result<(), String>>,
+    },
+    /// Take tier `tier` out of service and stop it once idle.
+    DrainTier {
+        /// Tier name.
+        tier: String,
+        /// The outcome.
+        reply: RpcReplyPort<Result<(), String>>,
     },
     /// Start a child again (sent to itself after the back-off).
     Restart(ChildKey),
@@ -632,8 +752,69 @@ impl EnginesState {
                 kv_type,
                 entry,
                 lease: Arc::new(()),
+                since: Instant::now(),
             },
         );
+        Ok(())
+    }
+
+    async fn load_tier(&mut self, myself: &ActorRef<EnginesMsg>, tier: &str) -> Result<(), String> {
+        let e = &self.engines;
+        if e.registry.contains_key(tier) {
+            return Ok(());
+        }
+        let Some(cfg) = e.tiers.get(tier).cloned() else {
+            let known: Vec<&str> = e.tiers.keys().map(String::as_str).collect();
+            return Err(format!(
+                "this node has no config for tier `{tier}` (it has: {})",
+                if known.is_empty() {
+                    "none".to_owned()
+                } else {
+                    known.join(", ")
+                }
+            ));
+        };
+        if let Some((_, v)) = e.draining.remove(tier) {
+            info!(%tier, "drain cancelled; the tier serves again");
+            e.registry.insert(tier.to_owned(), v.entry);
+        } else {
+            self.start_tier(myself, cfg)
+                .await
+                .map_err(|err| format!("tier `{tier}` did not start: {err}"))?;
+        }
+        lock(&e.standby).remove(tier);
+        lock(&e.on_request).insert(tier.to_owned());
+        self.restarts.remove(&ChildKey::Tier(tier.to_owned()));
+        e.changed();
+        Ok(())
+    }
+
+    fn drain_tier(&mut self, tier: &str) -> Result<(), String> {
+        let e = &self.engines;
+        let Some((_, entry)) = e.registry.remove(tier) else {
+            return if e.tiers.contains_key(tier) {
+                Ok(()) // not running: nothing to drain
+            } else {
+                Err(format!("this node has no config for tier `{tier}`"))
+            };
+        };
+        let cfg = &e.tiers[tier];
+        info!(%tier, "tier drained: no new requests; stopping once its own are done");
+        e.draining.insert(
+            tier.to_owned(),
+            VariantEntry {
+                tier: tier.to_owned(),
+                gguf: file_name(&cfg.model),
+                kv_type: cfg.kv_type,
+                entry,
+                lease: Arc::new(()),
+                since: Instant::now(),
+            },
+        );
+        lock(&e.standby).insert(tier.to_owned());
+        lock(&e.on_request).remove(tier);
+        self.restarts.remove(&ChildKey::Tier(tier.to_owned()));
+        e.changed();
         Ok(())
     }
 
@@ -689,8 +870,18 @@ impl Actor for EnginesActor {
         state.engines.registry.clear();
         state.engines.variants.clear();
         state.engines.draining.clear();
-        for cfg in state.engines.tiers.values() {
-            state.start_tier(&myself, cfg.clone()).await?;
+        for name in state.engines.autostart() {
+            let cfg = state.engines.tiers[&name].clone();
+            state.start_tier(&myself, cfg).await?;
+        }
+        // Tiers started on request come back with the actor; the rest of standby waits.
+        for name in state.engines.on_request() {
+            let cfg = state.engines.tiers[&name].clone();
+            if let Err(e) = state.start_tier(&myself, cfg).await {
+                warn!(tier = %name, error = %e, "tier started on request did not start again");
+                lock(&state.engines.on_request).remove(&name);
+                lock(&state.engines.standby).insert(name);
+            }
         }
         let wanted = state.wanted().clone();
         for (id, cfg) in wanted {
@@ -749,17 +940,21 @@ impl Actor for EnginesActor {
                     .iter()
                     .filter(|v| {
                         let s = &v.entry.desc.stats;
+                        let own = v.key() == &v.tier;
                         Arc::strong_count(&v.lease) == 1
                             && s.active.load(Relaxed) + s.queued.load(Relaxed) == 0
+                            && (!own || v.since.elapsed() >= DRAIN_GRACE)
                     })
                     .map(|v| v.key().clone())
                     .collect();
                 for id in idle {
                     if let Some((_, v)) = state.engines.draining.remove(&id) {
                         info!(engine = %id, "retired engine idle; stopping");
-                        v.entry
-                            .actor
-                            .stop(Some("retired by the quantization policy".into()));
+                        v.entry.actor.stop(Some(if id == v.tier {
+                            "drained".into()
+                        } else {
+                            "retired by the quantization policy".into()
+                        }));
                     }
                 }
                 if !state.engines.draining.is_empty() {
@@ -769,7 +964,10 @@ impl Actor for EnginesActor {
             EnginesMsg::Restart(key) => {
                 let started = match &key {
                     ChildKey::Tier(name) => match state.engines.tiers.get(name).cloned() {
-                        Some(cfg) if !state.engines.registry.contains_key(name) => {
+                        Some(cfg)
+                            if !state.engines.registry.contains_key(name)
+                                && state.engines.hosts(name) =>
+                        {
                             state.start_tier(&myself, cfg).await
                         }
                         _ => Ok(()),
@@ -787,6 +985,16 @@ impl Actor for EnginesActor {
                 if let Err(e) = started {
                     state.failed(&myself, key, &format!("start failed: {e}"))?;
                 }
+            }
+            EnginesMsg::LoadTier { tier, reply } => {
+                let _ = reply.send(state.load_tier(&myself, &tier).await);
+            }
+            EnginesMsg::DrainTier { tier, reply } => {
+                let r = state.drain_tier(&tier);
+                if r.is_ok() {
+                    myself.send_message(EnginesMsg::CheckDrain)?;
+                }
+                let _ = reply.send(r);
             }
             EnginesMsg::CrashTier { tier, reply } => {
                 let hit = state.engines.get(&tier);

@@ -10,11 +10,13 @@
 //!                ──▶ router     RouterActor      (router: embedder, catalog indexes)
 //!                ──▶ governor   GovernorActor    (governor: thinking budgets)
 //!                ──▶ tuner      TunerActor       (tuner: policy state, cycles, reloads)
+//!                ──▶ planner    PlannerActor     (planner: tier replicas across the cluster)
 //! ```
 //!
 //! Decisions stay pure and tested apart from the actors: restart back-off and intensity
 //! ([`supervisor`]), routing cost ([`routing`]), membership ([`membership`]), thinking
-//! budgets ([`governor::budget`]), the tuner's rules (`mesh_control::tuner`).
+//! budgets ([`governor::budget`]), the tuner's rules (`mesh_control::tuner`), tier scaling
+//! (`mesh_control::scaling`).
 //!
 //! The cluster: [`wire`] holds every message that crosses nodes (rkyv, versioned by the
 //! frame header); [`remote`] the one generic way to call a named actor on another node
@@ -28,6 +30,7 @@ pub mod governor;
 pub mod membership;
 pub mod node;
 pub mod pagestore;
+pub mod planner;
 pub mod remote;
 pub mod router;
 pub mod routing;

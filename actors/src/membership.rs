@@ -189,6 +189,7 @@ mod tests {
             roles: vec![],
             actors: vec![],
             pages: vec![],
+            capacity: Default::default(),
         }
     }
 

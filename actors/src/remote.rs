@@ -28,8 +28,8 @@ use tokio::sync::mpsc;
 use tracing::warn;
 
 use crate::wire::{
-    Answer, CallStatus, Envelope, ErrorClass, RemoteError, RouterCall, RouterItem, StoreCall,
-    StoreItem, TierCall, TierItem,
+    Answer, CallStatus, EnginesCall, EnginesItem, Envelope, ErrorClass, PlannerCall, PlannerItem,
+    RemoteError, RouterCall, RouterItem, StoreCall, StoreItem, TierCall, TierItem,
 };
 
 /// A wire type that travels in its own frame (rkyv, validated on receipt).
@@ -69,6 +69,12 @@ wire!(
     RouterCall,
     RouterItem,
     Answer<RouterItem>,
+    EnginesCall,
+    EnginesItem,
+    Answer<EnginesItem>,
+    PlannerCall,
+    PlannerItem,
+    Answer<PlannerItem>,
 );
 
 /// An item type with its answer frame.
@@ -85,6 +91,12 @@ impl Item for StoreItem {
 }
 impl Item for RouterItem {
     type Answer = Answer<RouterItem>;
+}
+impl Item for EnginesItem {
+    type Answer = Answer<EnginesItem>;
+}
+impl Item for PlannerItem {
+    type Answer = Answer<PlannerItem>;
 }
 
 /// The wire types of a remote actor.

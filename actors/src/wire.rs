@@ -37,6 +37,36 @@ pub struct TierAdvert {
     pub page_block: u32,
     /// Short ids (first 8 bytes) of pages held, most recently used first (capped).
     pub pages: Vec<u64>,
+    /// Requests that got a sequence since the engine started.
+    pub started: u64,
+    /// Milliseconds those requests waited for it, summed (the planner's queue time).
+    pub queued_ms_total: u64,
+}
+
+/// A tier a node can start on request, and what it needs there.
+#[derive(Archive, Serialize, Deserialize, Debug, Clone, PartialEq)]
+pub struct LoadableTier {
+    /// Tier name.
+    pub name: String,
+    /// Threads it runs on.
+    pub threads: u32,
+    /// Memory it needs (weights, KV cache, page budget, buffers).
+    pub bytes: u64,
+}
+
+/// What a node has room for, as the planner reads it.
+#[derive(Archive, Serialize, Deserialize, Debug, Clone, PartialEq, Default)]
+pub struct Capacity {
+    /// Cores the node offers to tiers.
+    pub cores: u32,
+    /// Threads of the engines it runs.
+    pub cores_used: u32,
+    /// Memory available now (bytes).
+    pub free_bytes: u64,
+    /// Tiers it has a config for and does not run now: it starts them on request.
+    pub loadable: Vec<LoadableTier>,
+    /// Running tiers it started on request (a planner's), not from its own config.
+    pub on_request: Vec<String>,
 }
 
 /// Where a peer listens.
@@ -70,6 +100,8 @@ pub struct NodeAdvert {
     /// Pages its store holds outside its tiers' own (a `store` node: pages peers demoted
     /// to it), by namespace.
     pub pages: Vec<NamespacePages>,
+    /// Room for more tiers, and the tiers it would start.
+    pub capacity: Capacity,
 }
 
 /// Short ids (first 8 bytes) of pages a store holds in one namespace, most recently used
@@ -337,6 +369,54 @@ pub enum RouterItem {
     },
     /// Routing failed (the request shows every tool).
     Failed(String),
+}
+
+/// Calls of a node's engines actor (`engines`): the planner starts and drains tiers.
+#[derive(Archive, Serialize, Deserialize, Debug, Clone, PartialEq)]
+pub enum EnginesCall {
+    /// Start tier `tier` from this node's config for it; answered by one [`EnginesItem`].
+    Load {
+        /// Tier name.
+        tier: String,
+    },
+    /// Take tier `tier` out of service: no new requests, stopped once its own are done.
+    Drain {
+        /// Tier name.
+        tier: String,
+    },
+}
+
+/// Answers of an engines actor.
+#[derive(Archive, Serialize, Deserialize, Debug, Clone, PartialEq)]
+pub enum EnginesItem {
+    /// Done (or already so).
+    Done,
+    /// Refused, with the reason.
+    Refused(String),
+}
+
+/// Calls of the planner (`planner`).
+#[derive(Archive, Serialize, Deserialize, Debug, Clone, PartialEq)]
+pub enum PlannerCall {
+    /// Pin `tier` at `replicas` (`None`: back to its scaling policy); answered by one
+    /// [`PlannerItem::Status`] (the one planning) or forwarded to the node that plans.
+    Scale {
+        /// Tier name.
+        tier: String,
+        /// Replicas, or `None` for automatic.
+        replicas: Option<u32>,
+    },
+    /// The planner's status; answered by one [`PlannerItem::Status`].
+    Show,
+}
+
+/// Answers of the planner.
+#[derive(Archive, Serialize, Deserialize, Debug, Clone, PartialEq)]
+pub enum PlannerItem {
+    /// The planning node's status as JSON text (what `GET /v1/control/scale` shows).
+    Status(String),
+    /// Refused, with the reason.
+    Refused(String),
 }
 
 /// Why a generation ended.

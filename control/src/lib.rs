@@ -31,6 +31,7 @@ pub mod mcp;
 pub mod placement;
 pub mod policy;
 pub mod router;
+pub mod scaling;
 pub mod spec_tools;
 pub mod topology;
 pub mod tuner;

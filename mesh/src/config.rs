@@ -76,6 +76,81 @@ pub struct NodeConfig {
     pub auth: AuthSettings,
     /// Client limits (`[limits]`): per-key rate and concurrency, body size, connections.
     pub limits: LimitSettings,
+    /// Tier scaling (`[scaling]`): tiers this node starts only on request, the cores it
+    /// offers, and the per-tier policies the cluster's planner follows.
+    pub scaling: ScalingSettings,
+}
+
+/// Tier scaling (`[scaling]`, `docs/fleet.md`). Every cluster node runs a planner; the live
+/// node with the first name plans for the cluster, with its own `[scaling.tiers]`.
+///
+/// ```toml
+/// [scaling]
+/// standby = ["t3"]        # configured tiers this node starts only when the planner asks
+/// cores = 8               # cores it offers to tiers (default: the host's, cgroup quota included)
+/// interval_ms = 1000      # the planner's tick
+/// window_s = 10           # queue time is averaged over this window
+///
+/// [scaling.tiers.t3]
+/// min_replicas = 1
+/// max_replicas = 3
+/// target_queue_ms = 500   # mean wait for a sequence that adds a replica
+/// cooldown_s = 60         # no automatic change within this long of the last one
+/// scale_in_below = 0.5    # drain one when the rest would be at most this busy
+/// ```
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct ScalingSettings {
+    /// Configured tiers not started with the node; a planner starts them here on request.
+    pub standby: Vec<String>,
+    /// Cores this node offers to tiers; default: what the process may use.
+    pub cores: Option<u32>,
+    /// Time between the planner's decisions (ms).
+    pub interval_ms: u64,
+    /// Window of the queue time (s).
+    pub window_s: u64,
+    /// Scaling policy per tier.
+    pub tiers: std::collections::BTreeMap<String, mesh_control::scaling::TierScaling>,
+}
+
+impl Default for ScalingSettings {
+    fn default() -> Self {
+        Self {
+            standby: vec![],
+            cores: None,
+            interval_ms: 1000,
+            window_s: 10,
+            tiers: Default::default(),
+        }
+    }
+}
+
+impl ScalingSettings {
+    fn validate(&self, tiers: &[EngineConfig]) -> anyhow::Result<()> {
+        for s in &self.standby {
+            anyhow::ensure!(
+                tiers.iter().any(|t| &t.name == s),
+                "scaling.standby names `{s}`, which has no [[tiers]] entry on this node"
+            );
+        }
+        anyhow::ensure!(
+            self.interval_ms >= 50,
+            "scaling.interval_ms must be at least 50"
+        );
+        anyhow::ensure!(self.window_s >= 1, "scaling.window_s must be at least 1");
+        anyhow::ensure!(self.cores != Some(0), "scaling.cores must be at least 1");
+        for (name, p) in &self.tiers {
+            p.validate()
+                .map_err(|e| anyhow::anyhow!("scaling.tiers.{name}: {e}"))?;
+        }
+        Ok(())
+    }
+
+    /// Cores offered to tiers.
+    pub fn cores(&self) -> u32 {
+        self.cores
+            .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get() as u32))
+    }
 }
 
 /// Client limits (`[limits]`). A key's own `--rpm`/`--concurrency` (`mesh keys create`)
@@ -473,6 +548,7 @@ impl Default for NodeConfig {
             fault_token: None,
             auth: AuthSettings::default(),
             limits: LimitSettings::default(),
+            scaling: ScalingSettings::default(),
         }
     }
 }
@@ -589,6 +665,7 @@ impl NodeConfig {
         self.cascade.validate().map_err(anyhow::Error::msg)?;
         self.agent.validate()?;
         self.tuner.validate()?;
+        self.scaling.validate(&self.tiers)?;
         let mut servers = std::collections::HashSet::new();
         for m in &self.mcp.servers {
             m.validate().map_err(anyhow::Error::msg)?;
@@ -679,6 +756,23 @@ mod tests {
             toml::from_str::<NodeConfig>(bad).is_err(),
             "unknown acceptance rule"
         );
+    }
+
+    #[test]
+    fn a_standby_tier_without_a_config_is_refused() {
+        let mut cfg = NodeConfig::default();
+        cfg.tiers.retain(|t| t.name == "t1");
+        cfg.scaling.standby = vec!["t3".into()];
+        let e = cfg.scaling.validate(&cfg.tiers).unwrap_err().to_string();
+        assert!(e.contains("scaling.standby names `t3`"), "{e}");
+    }
+
+    #[test]
+    fn a_scaling_policy_with_min_above_max_is_refused() {
+        let cfg: NodeConfig =
+            toml::from_str("[scaling.tiers.t3]\nmin_replicas = 3\nmax_replicas = 1\n").unwrap();
+        let e = cfg.scaling.validate(&cfg.tiers).unwrap_err().to_string();
+        assert!(e.contains("scaling.tiers.t3: min_replicas"), "{e}");
     }
 
     #[test]

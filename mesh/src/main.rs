@@ -22,6 +22,9 @@ enum Cmd {
     Join(JoinArgs),
     /// Print the cluster as a node's gateway sees it.
     Status(StatusArgs),
+    /// Set how many replicas of a tier the cluster runs (the planner starts or drains them
+    /// on nodes that have the tier's config), or hand the tier back to its scaling policy.
+    Scale(ScaleArgs),
     /// Cluster certificates.
     #[command(subcommand)]
     Cert(CertCmd),
@@ -313,6 +316,25 @@ struct StatusArgs {
 }
 
 #[derive(clap::Args, Debug)]
+#[command(group(clap::ArgGroup::new("count").required(true).args(["replicas", "auto"])))]
+struct ScaleArgs {
+    /// Tier name.
+    tier: String,
+    /// Replicas to keep running (pinned until `--auto`).
+    #[arg(long)]
+    replicas: Option<u32>,
+    /// Back to the tier's `[scaling.tiers]` policy.
+    #[arg(long)]
+    auto: bool,
+    /// Gateway of any node (needs a key with the `control` scope where keys are asked for).
+    #[arg(long, default_value = "http://127.0.0.1:8080")]
+    gateway: String,
+    /// API key (default $MESH_API_KEY).
+    #[arg(long)]
+    api_key: Option<String>,
+}
+
+#[derive(clap::Args, Debug)]
 struct UpArgs {
     /// TOML config file (see docs/architecture.md); flags override it.
     #[arg(long)]
@@ -521,6 +543,112 @@ async fn run_node(cfg: NodeConfig) -> anyhow::Result<()> {
     running.wait().await
 }
 
+fn with_key(req: reqwest::RequestBuilder, key: Option<&String>) -> reqwest::RequestBuilder {
+    match key
+        .cloned()
+        .or_else(|| std::env::var(mesh::env::API_KEY).ok())
+    {
+        Some(k) => req.bearer_auth(k),
+        None => req,
+    }
+}
+
+/// The error body's message, or the status.
+async fn http_error(r: reqwest::Response) -> anyhow::Error {
+    let status = r.status();
+    let v: serde_json::Value = r.json().await.unwrap_or_default();
+    let msg = v["error"]["message"]
+        .as_str()
+        .map_or_else(|| status.to_string(), str::to_owned);
+    anyhow::anyhow!("{status}: {msg}")
+}
+
+async fn scale(a: &ScaleArgs) -> anyhow::Result<()> {
+    let url = format!("{}/v1/control/scale", a.gateway.trim_end_matches('/'));
+    let body =
+        serde_json::json!({"tier": a.tier, "replicas": if a.auto { None } else { a.replicas }});
+    let r = with_key(
+        reqwest::Client::new()
+            .post(&url)
+            .json(&body)
+            .timeout(std::time::Duration::from_secs(30)),
+        a.api_key.as_ref(),
+    )
+    .send()
+    .await
+    .map_err(|e| anyhow::anyhow!("{url}: {e}"))?;
+    if !r.status().is_success() {
+        return Err(http_error(r).await);
+    }
+    let v: serde_json::Value = r.json().await?;
+    match a.replicas.filter(|_| !a.auto) {
+        Some(n) => println!("{}: pinned at {n} replicas", a.tier),
+        None => println!("{}: back to its scaling policy", a.tier),
+    }
+    print_planner(&v);
+    Ok(())
+}
+
+/// The planner's part of `mesh status` (and of `mesh scale`'s answer).
+fn print_planner(p: &serde_json::Value) {
+    let leader = p["leader"].as_str().unwrap_or("-");
+    println!("planner: {leader}");
+    for (tier, t) in p["tiers"].as_object().into_iter().flatten() {
+        let names = |k: &str| -> String {
+            let v: Vec<&str> = t[k]
+                .as_array()
+                .into_iter()
+                .flatten()
+                .filter_map(|x| x.as_str())
+                .collect();
+            if v.is_empty() {
+                "-".into()
+            } else {
+                v.join(",")
+            }
+        };
+        let policy = &t["policy"];
+        let bounds = if t["pinned"].is_u64() {
+            format!("pinned {}", t["pinned"])
+        } else if policy.is_object() {
+            format!(
+                "{}..{}, queue target {} ms",
+                policy["min_replicas"], policy["max_replicas"], policy["target_queue_ms"]
+            )
+        } else {
+            "-".into()
+        };
+        println!(
+            "  {tier:<6} replicas {} ({bounds}); queue {} ms; could start on {}; {}",
+            names("replicas"),
+            t["queue_ms"]
+                .as_f64()
+                .map_or("-".into(), |q| format!("{q:.0}")),
+            names("hosts"),
+            t["holding"].as_str().unwrap_or("")
+        );
+    }
+    let decisions = p["decisions"].as_array().cloned().unwrap_or_default();
+    for d in decisions.iter().rev().take(8).rev() {
+        println!(
+            "  {} {} {} on {}: {} ({})",
+            d["at_ms"].as_u64().map_or("-".into(), |ms| format!(
+                "{}s ago",
+                (std::time::SystemTime::now()
+                    .duration_since(std::time::UNIX_EPOCH)
+                    .map_or(0, |n| n.as_millis() as u64)
+                    .saturating_sub(ms))
+                    / 1000
+            )),
+            d["action"].as_str().unwrap_or("?"),
+            d["tier"].as_str().unwrap_or("?"),
+            d["node"].as_str().unwrap_or("?"),
+            d["outcome"].as_str().unwrap_or("?"),
+            d["reason"].as_str().unwrap_or("")
+        );
+    }
+}
+
 async fn status(a: &StatusArgs) -> anyhow::Result<()> {
     let url = format!("{}/v1/cluster", a.gateway.trim_end_matches('/'));
     let mut req = reqwest::Client::new()
@@ -588,6 +716,28 @@ async fn status(a: &StatusArgs) -> anyhow::Result<()> {
     {
         println!();
         print!("{}", plan.render());
+    }
+    // The planner's status lives on the node that plans.
+    if v["planner"].is_object() {
+        let url = format!("{}/v1/control/scale", a.gateway.trim_end_matches('/'));
+        let r = with_key(
+            reqwest::Client::new()
+                .get(&url)
+                .timeout(std::time::Duration::from_secs(10)),
+            a.api_key.as_ref(),
+        )
+        .send()
+        .await;
+        println!();
+        match r {
+            Ok(r) if r.status().is_success() => print_planner(&r.json().await?),
+            Ok(r) => println!(
+                "planner: {} (its status: {})",
+                v["planner"]["leader"].as_str().unwrap_or("-"),
+                http_error(r).await
+            ),
+            Err(e) => println!("planner: {e}"),
+        }
     }
     Ok(())
 }
@@ -838,6 +988,7 @@ async fn main() -> anyhow::Result<()> {
             Ok(())
         }
         Cmd::Status(a) => status(&a).await,
+        Cmd::Scale(a) => scale(&a).await,
         Cmd::Keys(k) => keys_cmd(k),
         Cmd::Topology(a) => topology(&a),
         Cmd::Quantize(a) => quantize(&a),

@@ -358,6 +358,22 @@ pub struct NodeParts {
     pub governor: Arc<mesh_actors::governor::GovernorStats>,
     /// Tracked tasks.
     pub tasks: mesh_actors::tasks::Tasks,
+    /// The planner's view and this node's name (cluster nodes).
+    pub planner: Option<(String, Arc<mesh_actors::planner::PlannerView>)>,
+}
+
+/// Label: a planner action on a tier and how it ended.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct PlannerLabel {
+    tier: String,
+    action: &'static str,
+    outcome: &'static str,
+}
+
+/// Label: a tier.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct TierNameLabel {
+    tier: String,
 }
 
 /// Label: a child of the node supervisor.
@@ -791,6 +807,52 @@ impl Collector for NodeCollector {
                 true,
                 &ended,
             )?;
+            if let Some((me, view)) = &parts.planner {
+                family(
+                    &mut enc,
+                    "planner_leader",
+                    "1 when this node's planner plans for the cluster",
+                    false,
+                    &[(NoLabels {}, u64::from(view.planning(me)))],
+                )?;
+                let actions: Vec<_> = view
+                    .counts()
+                    .into_iter()
+                    .map(|(tier, action, ok, n)| {
+                        let outcome = if ok { "ok" } else { "failed" };
+                        (
+                            PlannerLabel {
+                                tier,
+                                action,
+                                outcome,
+                            },
+                            n,
+                        )
+                    })
+                    .collect();
+                family(
+                    &mut enc,
+                    "planner_actions",
+                    "Tier replicas this node's planner started or drained, by tier, action (`start`, `drain`) and outcome",
+                    true,
+                    &actions,
+                )?;
+                let replicas: Vec<_> = if view.planning(me) {
+                    view.replicas()
+                        .into_iter()
+                        .map(|(tier, n)| (TierNameLabel { tier }, n as u64))
+                        .collect()
+                } else {
+                    vec![]
+                };
+                family(
+                    &mut enc,
+                    "planner_replicas",
+                    "Replicas of each scaled tier in the cluster, as the planning node saw them at its last tick",
+                    false,
+                    &replicas,
+                )?;
+            }
         }
         Ok(())
     }

@@ -310,6 +310,17 @@ pub async fn member_view(c: &reqwest::Client, base: &str, node: &str) -> serde_j
         .unwrap_or(serde_json::Value::Null)
 }
 
+/// A cluster CA in `DIR/certs` with a certificate for each of `names`; the folder.
+pub fn certs(dir: &Path, names: &[&str]) -> PathBuf {
+    let certs = dir.join("certs");
+    let c = certs.display().to_string();
+    assert!(mesh(&["cert", "init", "--dir", &c]).status.success());
+    for n in names {
+        assert!(mesh(&["cert", "issue", n, "--dir", &c]).status.success());
+    }
+    certs
+}
+
 /// Polls `f` until it holds; panics naming `what` after 30 s.
 pub async fn wait_until(what: &str, mut f: impl AsyncFnMut() -> bool) {
     let t0 = Instant::now();

@@ -5,7 +5,7 @@
 use std::time::{Duration, Instant};
 
 use futures::future::join_all;
-use mesh_tests::{mesh, Node};
+use mesh_tests::{certs, Node};
 use serde_json::{json, Value};
 
 const TOKEN: &str = "fault-token-for-the-failure-tests";
@@ -367,17 +367,6 @@ async fn metric(c: &reqwest::Client, base: &str, name: &str) -> f64 {
         .filter(|l| l.starts_with(name) && !l.starts_with('#'))
         .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
         .sum()
-}
-
-/// Two cluster nodes on one CA.
-fn certs(dir: &std::path::Path, names: &[&str]) -> std::path::PathBuf {
-    let certs = dir.join("certs");
-    let c = certs.display().to_string();
-    assert!(mesh(&["cert", "init", "--dir", &c]).status.success());
-    for n in names {
-        assert!(mesh(&["cert", "issue", n, "--dir", &c]).status.success());
-    }
-    certs
 }
 
 async fn tiers_of(c: &reqwest::Client, base: &str, node: &str) -> Vec<String> {

@@ -7,7 +7,7 @@ use std::process::Command;
 use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
-use mesh_tests::{members, mesh, mesh_bin, root, Node};
+use mesh_tests::{certs, members, mesh, mesh_bin, root, Node};
 use serde_json::{json, Value};
 
 fn free_udp_port() -> u16 {
@@ -15,16 +15,6 @@ fn free_udp_port() -> u16 {
         .and_then(|s| s.local_addr())
         .expect("a free UDP port")
         .port()
-}
-
-fn certs(dir: &Path, names: &[&str]) -> PathBuf {
-    let certs = dir.join("certs");
-    let d = certs.to_str().unwrap();
-    assert!(mesh(&["cert", "init", "--dir", d]).status.success());
-    for n in names {
-        assert!(mesh(&["cert", "issue", n, "--dir", d]).status.success());
-    }
-    certs
 }
 
 /// `mesh join` arguments with `--quic` set to `quic` instead of the helper's default.
@@ -242,6 +232,42 @@ fn deploy_k8s_without_a_key_file_or_the_insecure_flag_is_refused() {
     assert!(!o.status.success());
     let err = String::from_utf8_lossy(&o.stderr);
     assert!(err.contains("--keys"), "{err}");
+}
+
+#[test]
+fn deploy_k8s_with_a_key_file_holding_no_key_is_refused() {
+    let inputs = DeployInputs::new();
+    let empty = inputs.dir.path().join("empty.json");
+    std::fs::write(&empty, r#"{"keys": []}"#).unwrap();
+    let o = mesh(&[
+        "deploy",
+        "k8s",
+        "--cert-dir",
+        inputs.certs().to_str().unwrap(),
+        "--keys",
+        empty.to_str().unwrap(),
+    ]);
+    assert!(!o.status.success());
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(err.contains("holds no key"), "{err}");
+}
+
+#[test]
+fn deploy_k8s_with_a_pool_naming_an_unknown_tier_is_refused() {
+    let inputs = DeployInputs::new();
+    let o = mesh(&[
+        "deploy",
+        "k8s",
+        "--pool",
+        "big=t9:2",
+        "--cert-dir",
+        inputs.certs().to_str().unwrap(),
+        "--keys",
+        inputs.dir.path().join("keys.json").to_str().unwrap(),
+    ]);
+    assert!(!o.status.success());
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(err.contains("unknown tier") && err.contains("t9"), "{err}");
 }
 
 #[test]

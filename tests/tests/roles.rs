@@ -4,18 +4,8 @@
 
 use std::time::{Duration, Instant};
 
-use mesh_tests::{mesh, Node};
+use mesh_tests::{certs, Node};
 use serde_json::{json, Value};
-
-fn certs(dir: &std::path::Path, names: &[&str]) -> std::path::PathBuf {
-    let certs = dir.join("certs");
-    let c = certs.display().to_string();
-    assert!(mesh(&["cert", "init", "--dir", &c]).status.success());
-    for n in names {
-        assert!(mesh(&["cert", "issue", n, "--dir", &c]).status.success());
-    }
-    certs
-}
 
 async fn get(c: &reqwest::Client, url: String) -> Value {
     c.get(url).send().await.unwrap().json().await.unwrap()

@@ -73,6 +73,10 @@ pub struct EngineStats {
     pub active: AtomicUsize,
     /// Requests waiting for a slot.
     pub queued: AtomicUsize,
+    /// Requests that got a slot.
+    pub started: AtomicU64,
+    /// Milliseconds those requests waited for it, summed.
+    pub queued_ms_total: AtomicU64,
     /// KV cells reserved by active sequences.
     pub reserved_cells: AtomicUsize,
     /// Prompt tokens prefilled.
@@ -816,6 +820,10 @@ impl<'m> Loop<'m> {
                 }
             };
             let queued_ms = p.queued_at.elapsed().as_millis() as u64;
+            self.stats.started.fetch_add(1, Ordering::Relaxed);
+            self.stats
+                .queued_ms_total
+                .fetch_add(queued_ms, Ordering::Relaxed);
             let _ = p.events.send(TokenEvent::Started { queued_ms });
             self.reserved += p.reserve;
             self.stats

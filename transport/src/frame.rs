@@ -30,7 +30,7 @@ pub const MAGIC: [u8; 2] = *b"MS";
 /// page-store and router protocols) and roles, actors and store pages in adverts; 6: prompt
 /// parts in `TierCall::Tokenize`, and the cached prompt tokens and matched stop string of
 /// `Event::Done`).
-pub const WIRE_VERSION: u16 = 6;
+pub const WIRE_VERSION: u16 = 7;
 /// Bytes before the payload.
 pub const HEADER_LEN: usize = 8;
 /// Default payload limit of control frames (1 MiB).

@@ -6,7 +6,7 @@
 //! Routes: `POST /v1/chat/completions`, `POST /v1/completions` ([`chat`]);
 //! `POST /v1/messages`, `POST /v1/messages/count_tokens` (Anthropic's API, [`messages`]);
 //! `POST /v1/agent/tasks`, `GET /v1/tools` ([`agent`]); `POST /v1/control/tune`,
-//! `GET`/`PUT /v1/control/policy` ([`control`]); `GET /v1/models`, `GET /v1/cluster`,
+//! `GET`/`PUT /v1/control/policy` ([`control`]); `GET`/`POST /v1/control/scale` ([`scale`]); `GET /v1/models`, `GET /v1/cluster`,
 //! `GET /health`, `GET /ready`, `GET /metrics`, and `POST /v1/debug/crash` on a node started
 //! with fault injection ([`node`]); `GET /openapi.json`, the document of all of them but
 //! fault injection and the console ([`openapi`]); the web console at `/` and its files under
@@ -29,6 +29,7 @@ pub mod messages;
 pub mod node;
 pub mod openai;
 pub mod openapi;
+pub mod scale;
 pub mod serve;
 
 use std::sync::Arc;
@@ -70,8 +71,13 @@ pub struct HttpState {
     pub tuner: Arc<ActorSlot<TunerMsg>>,
     /// The node supervisor (children and their restarts, for `GET /v1/cluster`).
     pub supervisor: Option<ractor::ActorRef<NodeMsg>>,
-    /// Tier names this node is configured with (for `/ready`).
+    /// Tier names this node starts with (for `/ready`; standby tiers are not waited for).
     pub expected_tiers: Vec<String>,
+    /// The planner and its view (cluster nodes).
+    pub planner: Option<(
+        Arc<ActorSlot<mesh_actors::planner::PlannerMsg>>,
+        Arc<mesh_actors::planner::PlannerView>,
+    )>,
     /// This node's tier placement (`GET /v1/cluster`, `mesh status`), when planned.
     pub placement: Option<mesh_control::placement::PlacementPlan>,
     /// Fault injection, when the node was started with it.
@@ -99,6 +105,7 @@ pub fn router(state: HttpState) -> Router {
         .route("/v1/agent/tasks", post(agent::create_task))
         .route("/v1/tools", get(agent::list_tools))
         .route("/v1/control/tune", post(control::tune))
+        .route("/v1/control/scale", get(scale::show).post(scale::scale))
         .route(
             "/v1/control/policy",
             get(control::show_policy).put(control::put_policy),

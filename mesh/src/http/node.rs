@@ -94,7 +94,7 @@ pub(crate) struct ModelCard {
 fn tier_json(t: &mesh_actors::wire::TierAdvert) -> Value {
     json!({"name": t.name, "active": t.active, "queued": t.queued, "n_seq_max": t.n_seq_max,
            "max_seq_len": t.max_seq_len, "kv_cells": t.kv_cells, "kv_reserved": t.kv_reserved,
-           "pages": t.pages.len()})
+           "pages": t.pages.len(), "started": t.started, "queued_ms_total": t.queued_ms_total})
 }
 
 /// `GET /v1/cluster`: the members this node knows, its placement, its actors and its KV
@@ -116,6 +116,10 @@ pub(crate) async fn cluster(State(state): State<HttpState>) -> Json<Value> {
                     "roles": m.roles, "actors": m.actors,
                     "stored_pages": m.stored_pages.iter().cloned().collect::<std::collections::BTreeMap<_, _>>(),
                     "tiers": m.tiers.iter().map(tier_json).collect::<Vec<_>>(),
+                    "capacity": {"cores": m.capacity.cores, "cores_used": m.capacity.cores_used,
+                        "free_bytes": m.capacity.free_bytes,
+                        "loadable": m.capacity.loadable.iter().map(|l| json!({"name": l.name, "threads": l.threads, "bytes": l.bytes})).collect::<Vec<_>>(),
+                        "on_request": m.capacity.on_request},
                 })
             })
             .collect(),
@@ -153,6 +157,7 @@ pub(crate) async fn cluster(State(state): State<HttpState>) -> Json<Value> {
         "placement": state.placement,
         "actors": actors,
         "page_levels": page_levels,
+        "planner": state.planner.as_ref().zip(state.service.cluster()).map(|((_, view), c)| view.status(c.name())),
     }))
 }
 

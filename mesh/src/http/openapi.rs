@@ -41,6 +41,8 @@ use super::openai::{
         super::control::tune,
         super::control::show_policy,
         super::control::put_policy,
+        super::scale::show,
+        super::scale::scale,
         super::node::health,
         super::node::ready,
         super::node::metrics,

@@ -10,6 +10,7 @@ use futures::future::BoxFuture;
 use mesh_actors::cluster::{AdvertSource, LocalAdvert};
 use mesh_actors::engines::Engines;
 use mesh_actors::pagestore::{Demoted, PageStores, StoreMsg, StoreProtocol};
+use mesh_actors::planner::{EnginesProtocol, PlannerMsg, PlannerProtocol};
 use mesh_actors::remote::{CallContext, Exports, Started};
 use mesh_actors::router::{self, RouterMsg, RouterProtocol};
 use mesh_actors::supervisor::ActorSlot;
@@ -17,8 +18,9 @@ use mesh_actors::tasks::{Life, Tasks};
 use mesh_actors::tier::{self as tier_wire, TierMsg, TierProtocol};
 use mesh_actors::tuner::LivePolicy;
 use mesh_actors::wire::{
-    ErrorClass, NamespacePages, PageBlob, RemoteError, RouterCall, RouterItem, StoreCall,
-    StoreItem, TierCall, TierItem,
+    Capacity, EnginesCall, EnginesItem, ErrorClass, LoadableTier, NamespacePages, PageBlob,
+    PlannerCall, PlannerItem, RemoteError, RouterCall, RouterItem, StoreCall, StoreItem, TierCall,
+    TierItem,
 };
 use mesh_actors::Cluster;
 use mesh_control::policy::Role;
@@ -216,11 +218,138 @@ pub fn export_router(exports: &Exports, slot: Arc<ActorSlot<RouterMsg>>) {
     );
 }
 
-/// What this node's heartbeats say: its tiers with their page sets, and the pages its
-/// store keeps for peers.
-pub fn advert_source(engines: Engines, pages: PageStores) -> AdvertSource {
+/// Exports the engines protocol: the cluster's planner starts and drains tiers here. The
+/// answer comes when the tier is up (or draining); the call is accepted at once, so a
+/// slow model load does not run into the call's first-reply timeout.
+pub fn export_engines(exports: &Exports, engines: Engines) {
+    exports.export::<EnginesProtocol>(
+        move |call: EnginesCall, ctx: CallContext| -> BoxFuture<'static, Started<EnginesItem>> {
+            let engines = engines.clone();
+            Box::pin(async move {
+                let (tx, rx) = mpsc::unbounded_channel();
+                tokio::spawn(async move {
+                    let (verb, tier, r) = match call {
+                        EnginesCall::Load { tier } => ("load", tier.clone(), engines.load(&tier).await),
+                        EnginesCall::Drain { tier } => ("drain", tier.clone(), engines.drain(&tier).await),
+                    };
+                    tracing::info!(peer = %ctx.peer, %tier, action = verb, ok = r.is_ok(), "planner request");
+                    let _ = tx.send(Ok(match r {
+                        Ok(()) => EnginesItem::Done,
+                        Err(e) => EnginesItem::Refused(e),
+                    }));
+                });
+                Ok(rx)
+            })
+        },
+    );
+}
+
+/// Exports the planner protocol: `mesh scale` and the planner's status, from any node.
+pub fn export_planner(exports: &Exports, slot: Arc<ActorSlot<PlannerMsg>>) {
+    exports.export::<PlannerProtocol>(
+        move |call: PlannerCall, _ctx: CallContext| -> BoxFuture<'static, Started<PlannerItem>> {
+            let slot = slot.clone();
+            Box::pin(async move {
+                let r = mesh_actors::supervisor::call(
+                    &slot,
+                    "planner",
+                    Duration::from_secs(1),
+                    Duration::from_secs(15),
+                    |reply| match &call {
+                        PlannerCall::Scale { tier, replicas } => PlannerMsg::Scale {
+                            tier: tier.clone(),
+                            replicas: *replicas,
+                            reply,
+                        },
+                        PlannerCall::Show => PlannerMsg::Show { reply },
+                    },
+                )
+                .await;
+                one(match r {
+                    Ok(Ok(s)) => PlannerItem::Status(s),
+                    Ok(Err(e)) => PlannerItem::Refused(e),
+                    Err(e) => PlannerItem::Refused(format!("planner unavailable: {e}")),
+                })
+            })
+        },
+    );
+}
+
+/// What each configured tier needs on this node, and the cores it offers: the capacity
+/// part of its adverts.
+#[derive(Debug, Clone, Default)]
+pub struct TierNeeds {
+    cores: u32,
+    tiers: Vec<LoadableTier>,
+}
+
+impl TierNeeds {
+    /// Reads each tier's model shape (memory-mapped) to size it; a tier whose model cannot
+    /// be read is left out (the planner then never starts it here).
+    pub fn read(tiers: &[mesh_tiers::EngineConfig], cores: u32) -> Self {
+        let mut out = vec![];
+        for t in tiers {
+            let shape = match mesh_tiers::ModelShape::read(&t.model) {
+                Ok(s) => s,
+                Err(e) => {
+                    warn!(tier = %t.name, error = %e, "cannot size this tier; the planner will not start it here");
+                    continue;
+                }
+            };
+            let draft = t
+                .draft
+                .as_ref()
+                .and_then(|d| mesh_tiers::ModelShape::read(&d.model).ok());
+            out.push(LoadableTier {
+                name: t.name.clone(),
+                threads: t.threads.max(1) as u32,
+                bytes: mesh_tiers::tier_memory_bytes(t, &shape, draft.as_ref()),
+            });
+        }
+        Self { cores, tiers: out }
+    }
+
+    fn capacity(&self, engines: &Engines) -> Capacity {
+        let loadable = engines.loadable();
+        Capacity {
+            cores: self.cores,
+            cores_used: engines.threads_used(),
+            free_bytes: available_memory(),
+            loadable: self
+                .tiers
+                .iter()
+                .filter(|t| loadable.contains(&t.name))
+                .cloned()
+                .collect(),
+            on_request: engines.on_request(),
+        }
+    }
+}
+
+/// Memory available to this process: the kernel's `MemAvailable`, capped by what is left
+/// under the cgroup's (v2) memory limit.
+fn available_memory() -> u64 {
+    let meminfo = std::fs::read_to_string("/proc/meminfo").unwrap_or_default();
+    let avail = meminfo
+        .lines()
+        .find_map(|l| l.strip_prefix("MemAvailable:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
+        .map_or(0, |kb| kb * 1024);
+    let read = |p: &str| -> Option<u64> { std::fs::read_to_string(p).ok()?.trim().parse().ok() };
+    match (
+        read("/sys/fs/cgroup/memory.max"),
+        read("/sys/fs/cgroup/memory.current"),
+    ) {
+        (Some(max), Some(cur)) => avail.min(max.saturating_sub(cur)),
+        _ => avail,
+    }
+}
+
+/// What this node's heartbeats say: its tiers with their page sets, the pages its store
+/// keeps for peers, and its room for more tiers.
+pub fn advert_source(engines: Engines, pages: PageStores, needs: TierNeeds) -> AdvertSource {
     Arc::new(move || {
-        let (engines, pages) = (engines.clone(), pages.clone());
+        let (engines, pages, needs) = (engines.clone(), pages.clone(), needs.clone());
         Box::pin(async move {
             let set = pages
                 .call(|reply| StoreMsg::Advert {
@@ -231,6 +360,7 @@ pub fn advert_source(engines: Engines, pages: PageStores) -> AdvertSource {
                 .unwrap_or_default();
             let foreign = pages.foreign();
             LocalAdvert {
+                capacity: needs.capacity(&engines),
                 tiers: engines.adverts(&set),
                 pages: set
                     .into_iter()

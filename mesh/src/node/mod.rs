@@ -32,6 +32,7 @@ use mesh_actors::engines::{Engines, EnginesActor, EnginesArgs, EnginesMsg};
 use mesh_actors::governor::{GovernorActor, GovernorMsg, GovernorStats};
 use mesh_actors::node::{ChildSpec, NodeMsg, NodeSupervisor};
 use mesh_actors::pagestore::{PageStoreActor, PageStores, StoreMsg};
+use mesh_actors::planner::{PlannerActor, PlannerArgs, PlannerMsg, PlannerView};
 use mesh_actors::router::{RouterActor, RouterArgs, RouterMsg};
 use mesh_actors::supervisor::ActorSlot;
 use mesh_actors::tasks::{Life, Tasks};
@@ -209,7 +210,7 @@ pub async fn start(
             namespace: t.name.clone(),
         });
     }
-    let engines = Engines::new(&tiers);
+    let engines = Engines::new(&tiers).with_standby(cfg.scaling.standby.iter().map(String::as_str));
     let metrics = Arc::new(Metrics::new());
     metrics.watch_engines(engines.clone());
     let tasks = Tasks::default();
@@ -304,6 +305,8 @@ pub async fn start(
         .map_err(|e| anyhow::anyhow!("starting the node's actors: {e}"))?;
     let dispatcher_for_peers: Arc<std::sync::OnceLock<service::dispatch::Dispatcher>> =
         Arc::default();
+    let planner_slot: Arc<ActorSlot<PlannerMsg>> = Arc::default();
+    let planner_view: Arc<PlannerView> = Arc::default();
     let cluster = match cluster {
         None => None,
         Some((identity, cs)) => {
@@ -311,6 +314,7 @@ pub async fn start(
             let endpoint = mesh_transport::Endpoint::bind(&identity, cs.listen, &ccfg.transport)?;
             let exported = mesh_actors::remote::Exports::default();
             exports::export_store(&exported, pages.clone());
+            exports::export_planner(&exported, planner_slot.clone());
             if !tiers.is_empty() {
                 exports::export_tiers(
                     &exported,
@@ -318,6 +322,7 @@ pub async fn start(
                     live.clone(),
                     dispatcher_for_peers.clone(),
                 );
+                exports::export_engines(&exported, engines.clone());
             }
             if let Some(slot) = &router {
                 exports::export_router(&exported, slot.clone());
@@ -328,7 +333,11 @@ pub async fn start(
                 ccfg,
                 roles,
                 exported,
-                exports::advert_source(engines.clone(), pages.clone()),
+                exports::advert_source(
+                    engines.clone(),
+                    pages.clone(),
+                    exports::TierNeeds::read(&tiers, cfg.scaling.cores()),
+                ),
                 tasks.clone(),
             )
             .await
@@ -338,6 +347,23 @@ pub async fn start(
             ractor::call!(supervisor, |reply| NodeMsg::Adopt(membership, reply))
                 .map_err(|e| anyhow::anyhow!("starting membership: {e}"))?
                 .map_err(|e| anyhow::anyhow!("starting membership: {e}"))?;
+            let planner = ChildSpec::new(
+                "planner",
+                PlannerActor,
+                PlannerArgs {
+                    cluster: c.clone(),
+                    engines: engines.clone(),
+                    policies: cfg.scaling.tiers.clone(),
+                    interval: Duration::from_millis(cfg.scaling.interval_ms),
+                    window: Duration::from_secs(cfg.scaling.window_s),
+                    view: planner_view.clone(),
+                },
+                planner_slot.clone(),
+            );
+            specs_for_metrics.push(planner.clone());
+            ractor::call!(supervisor, |reply| NodeMsg::Adopt(planner, reply))
+                .map_err(|e| anyhow::anyhow!("starting the planner: {e}"))?
+                .map_err(|e| anyhow::anyhow!("starting the planner: {e}"))?;
             let _ = dispatcher_for_peers.set(service::dispatch::Dispatcher {
                 engines: engines.clone(),
                 pages: pages.clone(),
@@ -406,6 +432,9 @@ pub async fn start(
         actors: specs_for_metrics,
         governor: governor_stats,
         tasks: tasks.clone(),
+        planner: cluster
+            .as_ref()
+            .map(|c| (c.name().to_owned(), planner_view.clone())),
     });
 
     // The engines the policy file's quantization names start before the gateway serves.
@@ -440,7 +469,10 @@ pub async fn start(
         service,
         tuner: tuner_slot.clone(),
         supervisor: Some(supervisor.clone()),
-        expected_tiers: engines.configured().map(str::to_owned).collect(),
+        expected_tiers: engines.autostart(),
+        planner: cluster
+            .as_ref()
+            .map(|_| (planner_slot.clone(), planner_view.clone())),
         placement,
         faults,
         keys,
