@@ -2,12 +2,16 @@
 # Project entry points.
 #
 #   ./dev.sh demo            set up, build, run the agent demo
-#   ./dev.sh test [ARGS]     set up, build, run the whole test suite (release profile);
-#                            ARGS go to `cargo test`
+#   ./dev.sh test [ARGS]     set up, build (x86 and, with scripts/build-arm64.sh, arm64),
+#                            run the whole test suite (release profile); ARGS go to
+#                            `cargo test`
 #   ./dev.sh bench [ARGS]    set up, build llama.cpp's llama-server, run mesh-bench;
 #                            ARGS go to mesh-bench
 #   ./dev.sh image [ARGS]    set up, build, write the container image (OCI archive) with
 #                            scripts/image.py; ARGS go to it (docs/fleet.md)
+#   ./dev.sh arm64 [--cpu C] set up, build mesh for arm64 with scripts/build-arm64.sh
+#                            (C: n1, v1 or v2), then only the tests that run it under
+#                            qemu: `mesh up` with t1 answers as the x86 build does
 #
 # Everything is built with the release profile, so the llama.cpp build is done
 # once and shared by the build, the tests and the benchmarks.
@@ -20,7 +24,8 @@ usage() { awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' 
 
 export MESH_PYTHON="$ROOT/.venv/bin/python"
 export MESH_LLAMA_SERVER="$ROOT/.cache/llama-server/bin/llama-server"
-if ! command -v cargo >/dev/null 2>&1 && [[ -x "$HOME/.cargo/bin/cargo" ]]; then
+# A rustup toolchain comes first, also when Debian's cargo-web (arm64 builds) is in /usr/bin.
+if [[ -x "$HOME/.cargo/bin/cargo" ]]; then
     export PATH="$HOME/.cargo/bin:$PATH"
 fi
 
@@ -58,7 +63,8 @@ cmd_demo() {
 }
 
 cmd_test() {
-    scripts/setup.sh --build
+    scripts/setup.sh --arm64 --build
+    scripts/build-arm64.sh   # tests/tests/arm64.rs runs it under qemu
     local rc
     TEST_LOG="$(mktemp "${TMPDIR:-/tmp}/mesh-test.XXXXXX")"
     trap 'rm -f "$TEST_LOG"' EXIT
@@ -102,11 +108,28 @@ cmd_image() {
     exec "$ROOT/.venv/bin/python" scripts/image.py "$@"
 }
 
+cmd_arm64() {
+    local cpu=v1
+    case "${1:-}" in
+        --cpu) cpu="${2:-}" ;;
+        --cpu=*) cpu="${1#--cpu=}" ;;
+    esac
+    scripts/setup.sh --arm64 --build   # the x86 build is what the smoke test compares with
+    scripts/build-arm64.sh "$@"
+    # qemu emulates the core the build is for: Graviton2's, or one with SVE (256-bit).
+    local qemu_cpu="max,sve-default-vector-length=32"
+    [[ $cpu == n1 ]] && qemu_cpu=neoverse-n1
+    MESH_ARM64_CPU="$cpu" MESH_QEMU_CPU="$qemu_cpu" \
+        MESH_ARM64_BIN="$ROOT/target/aarch64-$cpu/aarch64-unknown-linux-gnu/release/mesh" \
+        cargo test --release --workspace --test arm64
+}
+
 case "${1:-}" in
     demo) shift; cmd_demo "$@" ;;
     test) shift; cmd_test "$@" ;;
     bench) shift; cmd_bench "$@" ;;
     image) shift; cmd_image "$@" ;;
+    arm64) shift; cmd_arm64 "$@" ;;
     -h|--help|help) usage ;;
     *) usage >&2; exit 2 ;;
 esac

@@ -168,7 +168,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[1])
     ap.add_argument("--arch", choices=sorted(ARCHES), default="amd64")
     ap.add_argument("--bin", help="the mesh binary (default target/release/mesh, or "
-                    "target/aarch64-unknown-linux-gnu/release/mesh for arm64)")
+                    "target/aarch64-v1/aarch64-unknown-linux-gnu/release/mesh for arm64)")
     ap.add_argument("--sysroot", default="/", help="where the binary's libraries are (default /)")
     ap.add_argument("--models", default=os.path.join(ROOT, "models"))
     ap.add_argument("--out", help="archive path (default target/image/mesh-VERSION-ARCH.oci.tar)")
@@ -177,9 +177,9 @@ def main():
     ver = version()
     tag = f"mesh:{ver}-{a.arch}"
     binary = a.bin or os.path.join(
-        ROOT, "target", "release" if a.arch == "amd64" else "aarch64-unknown-linux-gnu/release", "mesh")
+        ROOT, "target", "release" if a.arch == "amd64" else "aarch64-v1/aarch64-unknown-linux-gnu/release", "mesh")
     if not os.path.exists(binary):
-        die(f"{binary} not found: build it first (cargo build --release, or ./dev.sh cross-arm64)")
+        die(f"{binary} not found: build it first (cargo build --release, or scripts/build-arm64.sh for arm64)")
     machine = elf_machine(binary)
     if machine.replace("Advanced Micro Devices ", "") != arch["machine"]:
         die(f"{binary} is built for {machine}, not {a.arch}")

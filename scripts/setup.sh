@@ -4,6 +4,8 @@
 #
 #   scripts/setup.sh           system packages, .venv/, bundled embedding model
 #   scripts/setup.sh --build   the same, then cargo build --release --workspace --all-targets
+#   scripts/setup.sh --arm64   also the packages that build mesh for arm64 and run it under
+#                              qemu (scripts/build-arm64.sh, ./dev.sh arm64)
 #
 # Runs as root, or as a user with sudo.
 set -euo pipefail
@@ -12,9 +14,11 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
 
 BUILD=0
+ARM64=0
 for arg in "$@"; do
     case "$arg" in
         --build) BUILD=1 ;;
+        --arm64) ARM64=1 ;;
         -h|--help) awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' "${BASH_SOURCE[0]}"; exit 0 ;;
         *) printf 'setup.sh: unknown argument: %s\n' "$arg" >&2; exit 2 ;;
     esac
@@ -42,6 +46,26 @@ APT_PACKAGES=(
     podman           # the container image test loads scripts/image.py's archive
     binutils         # readelf/strip: scripts/image.py finds and strips the image's files
 )
+
+# With --arm64: Debian's cross toolchain and arm64 (multiarch) libraries. rustc-web and
+# cargo-web go to /usr/bin; scripts/build-arm64.sh calls them by path, and a rustup
+# toolchain in ~/.cargo/bin stays first on PATH for everything else.
+ARM64_PACKAGES=(
+    rustc-web cargo-web          # Rust 1.96 ...
+    libstd-rust-web-dev:arm64    # ... and its arm64 standard library
+    gcc-aarch64-linux-gnu g++-aarch64-linux-gnu
+    libhwloc-dev:arm64 libudev-dev:arm64
+    libstdc++6:arm64 libgomp1:arm64  # what the arm64 binary loads at run time (qemu, image)
+    qemu-user-static             # runs the arm64 binary here (the smoke test)
+)
+if ((ARM64)); then
+    if ! dpkg --print-foreign-architectures | grep -qx arm64; then
+        [[ $EUID -eq 0 ]] || command -v sudo >/dev/null 2>&1 || die "dpkg --add-architecture arm64 needs root or sudo"
+        say "dpkg: adding the arm64 architecture"
+        $([[ $EUID -eq 0 ]] || echo sudo) dpkg --add-architecture arm64
+    fi
+    APT_PACKAGES+=("${ARM64_PACKAGES[@]}")
+fi
 
 is_installed() {
     dpkg -s "$1" 2>/dev/null | grep -q '^Status: install ok installed'
@@ -71,7 +95,8 @@ else
 fi
 
 # ---------------------------------------------------------------- Rust toolchain
-if ! command -v cargo >/dev/null 2>&1 && [[ -x "$HOME/.cargo/bin/cargo" ]]; then
+# A rustup toolchain comes first, also when Debian's cargo-web (--arm64) is in /usr/bin.
+if [[ -x "$HOME/.cargo/bin/cargo" ]]; then
     export PATH="$HOME/.cargo/bin:$PATH"
 fi
 if ! command -v cargo >/dev/null 2>&1; then

@@ -300,6 +300,8 @@ impl PlannerState {
             .chain(pins.keys())
             .cloned()
             .collect();
+        // A tier that lost its pin and has no policy is no longer scaled: no stale view.
+        self.args.view.lock().tiers.retain(|t, _| tiers.contains(t));
         let now = Instant::now();
         for tier in tiers {
             let replicas: Vec<Replica> = members

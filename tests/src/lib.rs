@@ -332,3 +332,27 @@ pub async fn wait_until(what: &str, mut f: impl AsyncFnMut() -> bool) {
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
 }
+
+/// t1's greedy reply (temperature 0, 32 tokens) to one fixed prompt, from the gateway at
+/// `http`: what two builds or two ways of running `mesh` must agree on.
+pub async fn greedy_reply(http: &str) -> String {
+    let v: serde_json::Value = reqwest::Client::new()
+        .post(format!("{http}/v1/chat/completions"))
+        .json(&serde_json::json!({
+            "model": "t1",
+            "messages": [{"role": "user", "content": "Write one sentence about rivers."}],
+            "max_tokens": 32,
+            "temperature": 0
+        }))
+        .send()
+        .await
+        .expect("chat request")
+        .json()
+        .await
+        .expect("json");
+    assert_eq!(v["mesh"]["tier"], "t1", "{v}");
+    v["choices"][0]["message"]["content"]
+        .as_str()
+        .unwrap_or_else(|| panic!("no text: {v}"))
+        .to_owned()
+}

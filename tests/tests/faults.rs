@@ -43,16 +43,14 @@ async fn crash(c: &reqwest::Client, base: &str, actor: &str) -> (u16, Value) {
     (r.status().as_u16(), r.json().await.unwrap_or(Value::Null))
 }
 
+/// `GET URL` as JSON.
+async fn get_json(c: &reqwest::Client, url: String) -> Value {
+    c.get(url).send().await.unwrap().json().await.unwrap()
+}
+
 /// The node supervisor's child `name` as `GET /v1/cluster` lists it.
 async fn actor(c: &reqwest::Client, base: &str, name: &str) -> Value {
-    let v: Value = c
-        .get(format!("{base}/v1/cluster"))
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let v = get_json(c, format!("{base}/v1/cluster")).await;
     v["actors"]
         .as_array()
         .into_iter()
@@ -310,14 +308,7 @@ async fn a_crashed_tuner_restarts_within_a_second_and_keeps_the_policy() {
     assert_eq!(r.status().as_u16(), 200);
     let took = crash_and_time_restart(&c, &n.http, "tuner").await;
     assert!(took < Duration::from_secs(1), "tuner restarted in {took:?}");
-    let p: Value = c
-        .get(format!("{}/v1/control/policy", n.http))
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let p = get_json(&c, format!("{}/v1/control/policy", n.http)).await;
     assert_eq!(
         (p["version"].as_u64(), p["policy"]["router_top_k"].as_u64()),
         (Some(1), Some(4))
@@ -539,4 +530,36 @@ async fn a_membership_crash_does_not_make_the_node_look_dead() {
         );
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_crashed_planner_restarts_within_a_second_and_keeps_the_pins() {
+    let dir = tempfile::tempdir().unwrap();
+    let certs = certs(dir.path(), &["a"]);
+    let a = Node::start_with_env("a", &certs, &[], "t1", &["--fault-injection"], &fault_env())
+        .expect("a");
+    let c = reqwest::Client::new();
+    let pin = c
+        .post(format!("{}/v1/control/scale", a.http))
+        .json(&json!({"tier": "t1", "replicas": 1}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(
+        pin.status(),
+        200,
+        "{}",
+        pin.text().await.unwrap_or_default()
+    );
+    let took = crash_and_time_restart(&c, &a.http, "planner").await;
+    assert!(
+        took < Duration::from_secs(1),
+        "planner restarted in {took:?}"
+    );
+    // Pins live outside the actor, so the new incarnation keeps planning t1 at its pin; a
+    // tier neither pinned nor under a policy would leave the view at the next tick (1 s).
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let v = get_json(&c, format!("{}/v1/control/scale", a.http)).await;
+    assert_eq!(v["planning"], true, "{v}");
+    assert_eq!(v["tiers"]["t1"]["pinned"], 1, "{v}");
 }

@@ -7,7 +7,7 @@ use std::process::Command;
 use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
-use mesh_tests::{certs, members, mesh, mesh_bin, root, Node};
+use mesh_tests::{certs, greedy_reply, members, mesh, mesh_bin, root, Node};
 use serde_json::{json, Value};
 
 fn free_udp_port() -> u16 {
@@ -370,28 +370,6 @@ fn the_image_runs_mesh_version_from_its_own_root_filesystem() {
     );
     let host = mesh(&["--version"]);
     assert_eq!(out.stdout, host.stdout);
-}
-
-async fn greedy_reply(http: &str) -> String {
-    let v: Value = reqwest::Client::new()
-        .post(format!("{http}/v1/chat/completions"))
-        .json(&json!({
-            "model": "t1",
-            "messages": [{"role": "user", "content": "Write one sentence about rivers."}],
-            "max_tokens": 32,
-            "temperature": 0
-        }))
-        .send()
-        .await
-        .expect("chat request")
-        .json()
-        .await
-        .expect("json");
-    assert_eq!(v["mesh"]["tier"], "t1", "{v}");
-    v["choices"][0]["message"]["content"]
-        .as_str()
-        .unwrap_or_else(|| panic!("no text: {v}"))
-        .to_owned()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

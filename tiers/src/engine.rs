@@ -14,7 +14,7 @@ use llama_cpp_2::model::params::LlamaModelParams;
 use llama_cpp_2::model::LlamaModel;
 use llama_cpp_2::token::LlamaToken;
 use tokio::sync::mpsc;
-use tracing::{debug, warn};
+use tracing::{debug, info, warn};
 
 use crate::chat;
 use crate::kvcache::{KvCache, PromptPages, ReuseStats};
@@ -54,7 +54,7 @@ impl PageHandles {
 }
 
 /// The process-wide llama.cpp backend (initialised on first use, logs silenced unless
-/// `MESH_LLAMA_LOGS=1`).
+/// `MESH_LLAMA_LOGS=1`). Logs once which CPU kernels this build of llama.cpp has.
 pub fn backend() -> &'static LlamaBackend {
     static BACKEND: OnceLock<LlamaBackend> = OnceLock::new();
     BACKEND.get_or_init(|| {
@@ -62,8 +62,18 @@ pub fn backend() -> &'static LlamaBackend {
         if std::env::var("MESH_LLAMA_LOGS").as_deref() != Ok("1") {
             b.void_logs();
         }
+        info!(features = %system_info(), "llama.cpp backend");
         b
     })
+}
+
+/// llama.cpp's feature line (`CPU : NEON = 1 | DOTPROD = 1 | MATMUL_INT8 = 1 | SVE = 1 | ...`
+/// on arm64, `SSE3 = 1 | AVX2 = 1 | ...` on x86): the kernels this binary was compiled with.
+fn system_info() -> String {
+    // SAFETY: llama_print_system_info returns a pointer to a static, NUL-terminated buffer
+    // that stays valid until the next call; it is copied out at once.
+    let text = unsafe { std::ffi::CStr::from_ptr(llama_cpp_sys_2::llama_print_system_info()) };
+    text.to_string_lossy().trim().to_owned()
 }
 
 /// Counters an engine keeps; read by metrics and the router.

@@ -108,6 +108,7 @@ struct Injector {
     router: Option<Arc<ActorSlot<RouterMsg>>>,
     governor: Arc<ActorSlot<GovernorMsg>>,
     tuner: Arc<ActorSlot<TunerMsg>>,
+    planner: Option<Arc<ActorSlot<PlannerMsg>>>,
     engines: Engines,
 }
 
@@ -122,6 +123,9 @@ impl FaultInjector for Injector {
         }
         if self.membership.is_some() {
             t.push("membership".into());
+        }
+        if self.planner.is_some() {
+            t.push("planner".into());
         }
         t.extend(self.engines.configured().map(|n| format!("tier:{n}")));
         t
@@ -138,6 +142,10 @@ impl FaultInjector for Injector {
             "tuner" => crash(&self.tuner, TunerMsg::Crash),
             "membership" => match &self.membership {
                 Some(s) => crash(s, mesh_actors::cluster::MembershipMsg::Crash),
+                None => Err("this node is not in a cluster".into()),
+            },
+            "planner" => match &self.planner {
+                Some(s) => crash(s, PlannerMsg::Crash),
                 None => Err("this node is not in a cluster".into()),
             },
             "router" => match &self.router {
@@ -461,6 +469,7 @@ pub async fn start(
                 router: router.clone(),
                 governor,
                 tuner: tuner_slot.clone(),
+                planner: cluster.as_ref().map(|_| planner_slot.clone()),
                 engines: engines.clone(),
             }),
         }
