@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Project entry points.
 #
-#   ./dev.sh demo            set up, build, run the agent demo
+#   ./dev.sh demo [ARGS]     set up, build only the demo, run it; ARGS go to agent_demo
 #   ./dev.sh test [ARGS]     set up, build (x86 and, with scripts/build-arm64.sh, arm64),
 #                            run the whole test suite (release profile); ARGS go to
 #                            `cargo test`
@@ -58,8 +58,13 @@ cmd_demo() {
         echo "dev.sh: the mesh package has no example 'agent_demo' (expected mesh/examples/agent_demo.rs)" >&2
         exit 1
     fi
-    scripts/setup.sh --build
-    exec cargo run --release -p mesh --example agent_demo
+    scripts/setup.sh
+    # Only what the demo needs. --workspace resolves features as the full build does, so
+    # `./dev.sh test` later reuses all of it (llama.cpp included) and builds the rest.
+    echo "[demo] cargo build --release --workspace --example agent_demo"
+    cargo build --release --workspace --example agent_demo
+    echo "[demo] running target/release/examples/agent_demo $*"
+    exec "$ROOT/target/release/examples/agent_demo" "$@"
 }
 
 cmd_test() {

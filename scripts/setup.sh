@@ -67,8 +67,14 @@ if ((ARM64)); then
     APT_PACKAGES+=("${ARM64_PACKAGES[@]}")
 fi
 
+# A bare name is ambiguous to dpkg once the arm64 copy of a multiarch package (hwloc, udev)
+# is installed too: then ask for the native one.
 is_installed() {
-    dpkg -s "$1" 2>/dev/null | grep -q '^Status: install ok installed'
+    local name=$1
+    if ! dpkg -s "$name" >/dev/null 2>&1 && [[ $name != *:* ]]; then
+        name="$name:$(dpkg --print-architecture)"
+    fi
+    dpkg -s "$name" 2>/dev/null | grep -q '^Status: install ok installed'
 }
 
 SUDO=()
