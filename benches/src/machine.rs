@@ -223,7 +223,7 @@ fn machine_busy_ticks(cpu_line: &str) -> Option<(u64, u64)> {
 
 /// utime + stime of a `/proc/PID/stat` line (fields 14 and 15; the command name may hold
 /// spaces, so fields are counted after its closing parenthesis).
-fn process_ticks(stat: &str) -> Option<u64> {
+pub(crate) fn process_ticks(stat: &str) -> Option<u64> {
     let rest = &stat[stat.rfind(')')? + 1..];
     let f: Vec<&str> = rest.split_whitespace().collect();
     Some(f.get(11)?.parse::<u64>().ok()? + f.get(12)?.parse::<u64>().ok()?)

@@ -15,11 +15,13 @@
 
 mod decode;
 mod fabric;
+mod fleet;
 mod gguf;
 mod machine;
 mod mooncake;
 mod page;
 mod prefix;
+mod proxy;
 mod report;
 mod server;
 mod sessions;
@@ -60,6 +62,12 @@ enum Command {
     /// A long mixed workload (chat, streams, agent tasks, bad requests, dropped clients)
     /// against one node: errors, RSS and open descriptors over time.
     Soak(soak::SoakArgs),
+    /// N mesh nodes against N llama-servers behind a load balancer (round-robin and
+    /// session-sticky): agent sessions or the Mooncake trace, requests/s, TTFT, shed requests,
+    /// reuse and CPU-seconds per task.
+    Fleet(fleet::FleetArgs),
+    /// The HTTP load balancer `fleet` puts in front of each fleet (round-robin or by session).
+    Proxy(proxy::ProxyArgs),
     /// The results page (docs/benchmarks.md) with PNG plots, from decode and sessions JSONs.
     Report(page::ReportArgs),
 }
@@ -75,6 +83,8 @@ async fn main() -> anyhow::Result<()> {
         Command::Mooncake(args) => mooncake::run(args).await,
         Command::Sessions(args) => sessions::run(args).await,
         Command::Soak(args) => soak::run(args).await,
+        Command::Fleet(args) => fleet::run(args).await,
+        Command::Proxy(args) => proxy::run(args).await,
         Command::Report(args) => page::run(args),
     }
 }

@@ -56,11 +56,22 @@ pub(crate) struct MooncakeArgs {
     out: PathBuf,
 }
 
-struct Req {
-    at_s: f64,
-    tokens: Vec<i32>,
-    blocks: Vec<u64>,
-    output: usize,
+/// One trace request, scaled.
+pub(crate) struct Req {
+    /// Arrival, seconds after the first request (already divided by the compression).
+    pub(crate) at_s: f64,
+    pub(crate) tokens: Vec<i32>,
+    pub(crate) blocks: Vec<u64>,
+    pub(crate) output: usize,
+}
+
+/// How a trace is cut down to the machine.
+pub(crate) struct Scale {
+    pub(crate) requests: usize,
+    pub(crate) block_tokens: usize,
+    pub(crate) max_blocks: usize,
+    pub(crate) max_output: usize,
+    pub(crate) compress: f64,
 }
 
 fn block_tokens(hash: u64, n: usize) -> Vec<i32> {
@@ -77,8 +88,22 @@ fn block_tokens(hash: u64, n: usize) -> Vec<i32> {
 }
 
 fn load(a: &MooncakeArgs) -> Result<Vec<Req>> {
-    let text = std::fs::read_to_string(&a.trace)
-        .with_context(|| format!("reading {}", a.trace.display()))?;
+    load_trace(
+        &a.trace,
+        &Scale {
+            requests: a.requests,
+            block_tokens: a.block_tokens,
+            max_blocks: a.max_blocks,
+            max_output: a.max_output,
+            compress: a.compress,
+        },
+    )
+}
+
+/// The first `a.requests` requests of the trace at `path`, scaled by `a`.
+pub(crate) fn load_trace(path: &std::path::Path, a: &Scale) -> Result<Vec<Req>> {
+    let text =
+        std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
     let mut out = vec![];
     for (i, line) in text
         .lines()

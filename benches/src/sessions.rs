@@ -91,6 +91,11 @@ impl Conversation {
         Self { text: system_turn }
     }
 
+    /// Everything sent and received so far.
+    pub(crate) fn text(&self) -> &str {
+        &self.text
+    }
+
     /// The prompt of the next turn: everything so far, the user message, the open assistant
     /// turn.
     pub(crate) fn prompt(&self, user: &str) -> String {

@@ -216,6 +216,35 @@ pub(crate) async fn one_request(
     spec: &RequestSpec<'_>,
     prompt: &str,
 ) -> Result<Streamed> {
+    stream_completion(client, base_url, spec, json!(prompt), None).await
+}
+
+/// A reply with a status other than 2xx; the error [`stream_completion`] returns for it, so a
+/// caller can tell load shedding (429, 503) from other failures.
+#[derive(Debug)]
+pub(crate) struct HttpStatus {
+    pub(crate) status: u16,
+    pub(crate) body: String,
+}
+
+impl std::fmt::Display for HttpStatus {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "HTTP {}: {}", self.status, self.body)
+    }
+}
+
+impl std::error::Error for HttpStatus {}
+
+/// [`one_request`] with the prompt as any JSON `/v1/completions` takes (a string or token
+/// ids) and an optional `x-session-id` header (what a session-sticky load balancer hashes).
+/// A non-2xx reply is an [`HttpStatus`] error. Cancel-safe.
+pub(crate) async fn stream_completion(
+    client: &reqwest::Client,
+    base_url: &str,
+    spec: &RequestSpec<'_>,
+    prompt: Value,
+    session: Option<&str>,
+) -> Result<Streamed> {
     let body = json!({
         "model": spec.model,
         "prompt": prompt,
@@ -227,16 +256,21 @@ pub(crate) async fn one_request(
         "stream_options": {"include_usage": true},
     });
     let t0 = Instant::now();
-    let resp = client
+    let mut req = client
         .post(format!("{base_url}/v1/completions"))
-        .json(&body)
-        .send()
-        .await
-        .context("sending the request")?;
+        .json(&body);
+    if let Some(id) = session {
+        req = req.header(crate::proxy::SESSION_HEADER, id);
+    }
+    let resp = req.send().await.context("sending the request")?;
     let status = resp.status();
     if !status.is_success() {
-        let text = resp.text().await.unwrap_or_default();
-        bail!("HTTP {status}: {text}");
+        let body = resp.text().await.unwrap_or_default();
+        return Err(HttpStatus {
+            status: status.as_u16(),
+            body,
+        }
+        .into());
     }
     let mut stream = resp.bytes_stream();
     let mut pending: Vec<u8> = Vec::new();
