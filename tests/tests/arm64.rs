@@ -97,3 +97,15 @@ async fn the_arm64_build_runs_llama_cpp_with_the_neoverse_kernels() {
         assert!(line.contains(feature), "{feature} missing: {line}");
     }
 }
+
+#[test]
+fn the_build_script_refuses_a_cpu_it_has_no_flags_for() {
+    let o = Command::new("bash")
+        .arg(root().join("scripts/build-arm64.sh"))
+        .args(["--cpu", "v9"])
+        .output()
+        .expect("bash runs");
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(2), "{err}");
+    assert!(err.contains("--cpu must be n1, v1 or v2, not v9"), "{err}");
+}

@@ -428,3 +428,35 @@ fn podman_loads_the_image_archive_under_its_name_and_architecture() {
         String::from_utf8_lossy(&inspect.stderr)
     );
 }
+
+/// `scripts/image.py ARGS` (it writes nothing before its checks pass).
+fn image_py(args: &[&str]) -> std::process::Output {
+    let python = std::env::var("MESH_PYTHON").unwrap_or_else(|_| "python3".into());
+    Command::new(python)
+        .arg(root().join("scripts/image.py"))
+        .args(args)
+        .output()
+        .expect("scripts/image.py runs")
+}
+
+#[test]
+fn image_py_refuses_a_binary_built_for_another_architecture() {
+    let bin = mesh_bin();
+    let o = image_py(&["--arch", "arm64", "--bin", bin.to_str().unwrap()]);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(1), "{err}");
+    assert!(
+        err.contains("is built for") && err.contains("not arm64"),
+        "{err}"
+    );
+}
+
+#[test]
+fn image_py_refuses_a_binary_that_is_not_there() {
+    let dir = tempfile::tempdir().unwrap();
+    let missing = dir.path().join("mesh");
+    let o = image_py(&["--arch", "amd64", "--bin", missing.to_str().unwrap()]);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(1), "{err}");
+    assert!(err.contains("not found: build it first"), "{err}");
+}
