@@ -19,7 +19,7 @@ use std::collections::{HashMap, HashSet};
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
-use anyhow::{bail, Context, Result};
+use anyhow::{Context, Result};
 use clap::Parser;
 use serde::Serialize;
 use serde_json::{json, Value};
@@ -28,6 +28,7 @@ use mesh_control::embed::normalize;
 use mesh_control::index::recall;
 use mesh_control::router::tool_text;
 use mesh_control::{Embedder, EmbedderConfig, RouterConfig, Tool, ToolRouter, ToolText};
+use mesh_evals::bfcl::{find_file, read_jsonl};
 
 #[derive(Parser, Debug)]
 #[command(about = "Tool-router recall, prompt tokens and latency on BFCL data")]
@@ -77,28 +78,6 @@ struct Question {
     tools: Vec<Tool>,
     /// Function names of the possible answer.
     truth: Vec<String>,
-}
-
-fn find_file(dir: &Path, category: &str) -> Result<PathBuf> {
-    for version in ["v4", "v3"] {
-        let p = dir.join(format!("BFCL_{version}_{category}.json"));
-        if p.is_file() {
-            return Ok(p);
-        }
-    }
-    bail!(
-        "no BFCL_v3/v4_{category}.json in {} (run scripts/fetch-bfcl.sh)",
-        dir.display()
-    )
-}
-
-fn read_jsonl(path: &Path) -> Result<Vec<Value>> {
-    let text =
-        std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
-    text.lines()
-        .filter(|l| !l.trim().is_empty())
-        .map(|l| serde_json::from_str(l).with_context(|| format!("a line of {}", path.display())))
-        .collect()
 }
 
 fn last_user_message(question: &Value) -> Option<String> {

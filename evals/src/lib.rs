@@ -10,10 +10,13 @@
 //! | `spec_serving` | the serving engine with and without a draft model | `docs/cascade.md` |
 //! | `verify_cost` | what a verification batch of n rows costs against one row | `docs/cascade.md` |
 //! | `bfcl_router` | the tool router on BFCL's function catalogs | `docs/tool-router.md` |
+//! | `multistep_router` | routing per step of BFCL's multi-turn agent tasks ([`multistep`]) | `docs/tool-router.md` |
 //! | `router_scores` | the router's confidence per held-out task (for `cascade_eval --router-scores`) | `docs/cascade.md` |
 //! | `tuner_trial` | one tuner trial on a real engine | `docs/tuner.md` |
 //!
 //! [`trial`] runs A/B probe windows on an engine directly (the node's tuner runs its
 //! probes through the node's request path instead).
 
+pub mod bfcl;
+pub mod multistep;
 pub mod trial;

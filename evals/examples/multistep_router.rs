@@ -1,0 +1,258 @@
+//! Tool routing over the steps of multi-step agent tasks, on BFCL's multi-turn categories.
+//!
+//! ```sh
+//! bash scripts/fetch-bfcl.sh            # prints the data folder
+//! cargo run --release -p mesh-evals --example multistep_router -- --data DIR [--out report.json]
+//! ```
+//!
+//! Why BFCL multi-turn: it ships on PyPI with its data (`bfcl-eval`, the wheel the single-step
+//! evaluation already uses), every task has several user turns, and each turn's ground truth
+//! names the functions it calls, from a catalog of 8 API classes (file system, math, messages,
+//! posting, tickets, trading, travel, vehicle). The catalog here is all of them pooled (the
+//! `multi_turn_func_doc` files, memory and web-search ones left out), about 130 functions.
+//!
+//! For each router setting (plain cosine; the default hybrid router) and each strategy of
+//! `mesh_evals::multistep` (route once on the first message; per step; per step keeping the
+//! tools already used), it reports recall@k per step (needed functions of the step among those
+//! offered), per task (mean of its steps), the share of tasks whose every step was covered,
+//! the mean number of tools offered and their schema tokens (all-MiniLM-L6-v2 WordPiece,
+//! compact OpenAI JSON) against the whole catalog's. Every fifth task (by its number) is held
+//! out, and reported apart: decisions are to be made on the other part only.
+
+use std::collections::HashSet;
+use std::path::{Path, PathBuf};
+
+use anyhow::{bail, Context, Result};
+use clap::Parser;
+use serde_json::json;
+
+use mesh_control::{Embedder, EmbedderConfig, RouterConfig, Tool, ToolRouter, ToolText};
+use mesh_evals::bfcl::{find_file, read_jsonl};
+use mesh_evals::multistep::{self, held_out, offered, recall, Mean, Strategy, Task};
+
+#[derive(Parser, Debug)]
+#[command(about = "Tool routing per step of BFCL's multi-turn agent tasks")]
+struct Args {
+    /// The BFCL data folder (holds BFCL_v4_multi_turn_*.json, possible_answer/ and
+    /// multi_turn_func_doc/).
+    #[arg(long)]
+    data: PathBuf,
+    /// Multi-turn categories.
+    #[arg(long, value_delimiter = ',', default_value = "multi_turn_base")]
+    categories: Vec<String>,
+    /// Offer sizes.
+    #[arg(long, value_delimiter = ',', default_value = "5,10,20")]
+    ks: Vec<usize>,
+    /// Embedding GGUF.
+    #[arg(long, default_value = mesh_control::embed::BUNDLED_MODEL)]
+    model: PathBuf,
+    /// llama.cpp threads for the embedder (0 = all cores).
+    #[arg(long, default_value_t = 0)]
+    threads: u32,
+    /// Write the full report as JSON here.
+    #[arg(long)]
+    out: Option<PathBuf>,
+}
+
+/// The multi-turn functions, all classes pooled, first definition of a name wins.
+fn catalog(dir: &Path) -> Result<Vec<Tool>> {
+    let docs = dir.join("multi_turn_func_doc");
+    let mut files: Vec<PathBuf> = std::fs::read_dir(&docs)
+        .with_context(|| format!("reading {} (run scripts/fetch-bfcl.sh)", docs.display()))?
+        .filter_map(|e| Some(e.ok()?.path()))
+        .filter(|p| {
+            let name = p.file_name().map(|n| n.to_string_lossy().into_owned());
+            name.is_some_and(|n| {
+                n.ends_with(".json") && !n.starts_with("memory_") && n != "web_search.json"
+            })
+        })
+        .collect();
+    files.sort();
+    let mut seen = HashSet::new();
+    let mut out = Vec::new();
+    for f in files {
+        for v in read_jsonl(&f)? {
+            if let Some(t) = Tool::from_openai(&v) {
+                if seen.insert(t.name.clone()) {
+                    out.push(t);
+                }
+            }
+        }
+    }
+    Ok(out)
+}
+
+#[derive(Default, Clone)]
+struct Cell {
+    step: Mean,
+    task: Mean,
+    covered: Mean,
+    offered: Mean,
+    tokens: Mean,
+}
+
+fn main() -> Result<()> {
+    let args = Args::parse();
+    if args.ks.is_empty() || args.ks.contains(&0) {
+        bail!("--ks takes offer sizes of at least 1");
+    }
+    let tools = catalog(&args.data)?;
+    let mut tasks: Vec<Task> = Vec::new();
+    for c in &args.categories {
+        let q = read_jsonl(&find_file(&args.data, c)?)?;
+        let a = read_jsonl(&find_file(&args.data.join("possible_answer"), c)?)?;
+        tasks.extend(multistep::bfcl_multi_turn(&q, &a)?);
+    }
+    let names: HashSet<&str> = tools.iter().map(|t| t.name.as_str()).collect();
+    let outside: usize = tasks
+        .iter()
+        .flat_map(|t| &t.steps)
+        .flat_map(|s| &s.truth)
+        .filter(|n| !names.contains(n.as_str()))
+        .count();
+    let steps: usize = tasks.iter().map(|t| t.steps.len()).sum();
+    let held = tasks.iter().filter(|t| held_out(&t.id)).count();
+    println!(
+        "{} tasks ({held} held out), {steps} steps, from {}; catalog {} functions; {outside} needed calls name a function outside it",
+        tasks.len(),
+        args.categories.join(", "),
+        tools.len()
+    );
+    let embedder = Embedder::new(EmbedderConfig {
+        model: args.model.clone(),
+        threads: args.threads,
+        ..EmbedderConfig::default()
+    })?;
+    let schema_tokens: Vec<usize> = tools
+        .iter()
+        .map(|t| embedder.count_tokens(&serde_json::to_string(&t.to_openai()).unwrap_or_default()))
+        .collect();
+    let all_tokens: usize = schema_tokens.iter().sum();
+    let tokens_of = |offer: &[String]| -> usize {
+        offer
+            .iter()
+            .filter_map(|n| tools.iter().position(|t| &t.name == n))
+            .map(|i| schema_tokens[i])
+            .sum()
+    };
+    let queries: Vec<&str> = tasks
+        .iter()
+        .flat_map(|t| &t.steps)
+        .map(|s| s.query.as_str())
+        .collect();
+    let vecs = embedder.embed_batch(&queries)?;
+
+    let variants = [
+        (
+            "cosine (name: description)",
+            RouterConfig {
+                tool_text: ToolText::NameDescription,
+                hybrid_weight: 0.0,
+                ..RouterConfig::default()
+            },
+        ),
+        (
+            "default router (hybrid when unsure)",
+            RouterConfig::default(),
+        ),
+    ];
+    let mut report = Vec::new();
+    for (vname, config) in &variants {
+        let router = ToolRouter::build(&embedder, tools.clone(), config.clone())?;
+        // cells[part][strategy][k]: part 0 = tuning, 1 = held out.
+        let mut cells = vec![vec![vec![Cell::default(); args.ks.len()]; 3]; 2];
+        let mut v = 0;
+        for task in &tasks {
+            let part = usize::from(held_out(&task.id));
+            let first_v = v;
+            let mut per_task = vec![vec![Mean::default(); args.ks.len()]; 3];
+            let mut used: Vec<String> = Vec::new();
+            for step in &task.steps {
+                for (ki, &k) in args.ks.iter().enumerate() {
+                    let rank = |i: usize, q: &str| -> Result<Vec<String>> {
+                        Ok(router
+                            .route_vector(&vecs[i], q, k, &[])?
+                            .names()
+                            .into_iter()
+                            .map(str::to_owned)
+                            .collect())
+                    };
+                    let first = rank(first_v, &task.steps[0].query)?;
+                    let this = rank(v, &step.query)?;
+                    for (si, s) in Strategy::ALL.into_iter().enumerate() {
+                        let o = offered(s, &first, &this, &used, k);
+                        let r = recall(&o, &step.truth);
+                        let c = &mut cells[part][si][ki];
+                        c.step.add(r);
+                        c.offered.add(o.len() as f64);
+                        c.tokens.add(tokens_of(&o) as f64);
+                        per_task[si][ki].add(r);
+                    }
+                }
+                for n in &step.truth {
+                    if !used.contains(n) {
+                        used.push(n.clone());
+                    }
+                }
+                v += 1;
+            }
+            for si in 0..3 {
+                for ki in 0..args.ks.len() {
+                    let m = per_task[si][ki].get().unwrap_or(0.0);
+                    cells[part][si][ki].task.add(m);
+                    cells[part][si][ki]
+                        .covered
+                        .add(f64::from(u8::from(m >= 1.0)));
+                }
+            }
+        }
+        for (part, pname) in ["tuning part", "held-out part"].into_iter().enumerate() {
+            println!(
+                "\n### {vname}, {pname} ({} tasks)\n",
+                cells[part][0][0].task.count()
+            );
+            println!("| strategy | k | recall per step | per task | tasks fully covered | tools offered | schema tokens offered / all |");
+            println!("|---|---|---|---|---|---|---|");
+            for (si, s) in Strategy::ALL.into_iter().enumerate() {
+                for (ki, &k) in args.ks.iter().enumerate() {
+                    let c = &cells[part][si][ki];
+                    let g = |m: &Mean| m.get().unwrap_or(f64::NAN);
+                    println!(
+                        "| {} | {k} | {:.3} | {:.3} | {:.3} | {:.1} | {:.0} / {all_tokens} ({:.1}% fewer) |",
+                        s.label(),
+                        g(&c.step),
+                        g(&c.task),
+                        g(&c.covered),
+                        g(&c.offered),
+                        g(&c.tokens),
+                        100.0 * (1.0 - g(&c.tokens) / all_tokens as f64),
+                    );
+                    report.push(json!({
+                        "router": vname, "part": pname, "strategy": s.label(), "k": k,
+                        "recall_per_step": c.step.get(), "recall_per_task": c.task.get(),
+                        "tasks_fully_covered": c.covered.get(), "tools_offered": c.offered.get(),
+                        "schema_tokens_offered": c.tokens.get(), "schema_tokens_all": all_tokens,
+                        "steps": c.step.count(), "tasks": c.task.count(),
+                    }));
+                }
+            }
+        }
+    }
+    if let Some(out) = &args.out {
+        let j = json!({
+            "data": args.data.display().to_string(),
+            "categories": args.categories,
+            "catalog_functions": tools.len(),
+            "tasks": tasks.len(),
+            "held_out_tasks": held,
+            "steps": steps,
+            "needed_calls_outside_catalog": outside,
+            "embedder": args.model.display().to_string(),
+            "results": report,
+        });
+        std::fs::write(out, serde_json::to_string_pretty(&j)? + "\n")
+            .with_context(|| format!("writing {}", out.display()))?;
+        println!("\nwrote {}", out.display());
+    }
+    Ok(())
+}
