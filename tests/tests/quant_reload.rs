@@ -80,7 +80,10 @@ async fn stream(
                 return Err(v.to_string());
             }
             let delta = &v["choices"][0]["delta"];
-            if delta["content"].is_string() || delta["tool_calls"].is_array() {
+            // The gateway's first chunk carries the role and an empty content before the
+            // engine has taken the request; only a generated piece counts as started.
+            let text = delta["content"].as_str().is_some_and(|t| !t.is_empty());
+            if text || delta["tool_calls"].is_array() {
                 if let Some(tx) = started.take() {
                     let _ = tx.send(());
                 }
