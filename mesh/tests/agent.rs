@@ -59,6 +59,17 @@ async fn task(c: &reqwest::Client, base: &str, body: Value) -> (u16, Value) {
     (r.status().as_u16(), r.json().await.unwrap())
 }
 
+/// `GET /v1/tools`.
+async fn listed_tools(c: &reqwest::Client, base: &str) -> Value {
+    c.get(format!("{base}/v1/tools"))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap()
+}
+
 fn metric(text: &str, line_start: &str) -> f64 {
     text.lines()
         .find(|l| l.starts_with(line_start))
@@ -76,14 +87,7 @@ async fn agent_task_calls_a_real_mcp_tool_and_repeats_hit_the_cache() {
     let c = reqwest::Client::new();
 
     // The catalog: the server's tools, with their read-only flags.
-    let tools: Value = c
-        .get(format!("{base}/v1/tools"))
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let tools = listed_tools(&c, &base).await;
     assert_eq!(tools["servers"][0]["name"], "fs");
     assert_eq!(tools["servers"][0]["connected"], true);
     let find = |n: &str| {
@@ -252,14 +256,7 @@ async fn catalog_file_tools_stop_the_task_for_the_client() {
     let (base, _stop) = common::in_process(cfg).await;
     let c = reqwest::Client::new();
 
-    let tools: Value = c
-        .get(format!("{base}/v1/tools"))
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let tools = listed_tools(&c, &base).await;
     assert_eq!(tools["catalog"].as_array().unwrap().len(), 200);
     assert_eq!(tools["catalog"][0]["executor"], "client");
 
@@ -307,4 +304,78 @@ async fn catalog_file_tools_stop_the_task_for_the_client() {
             > t["usage"]["prompt_tokens"].as_u64().unwrap(),
         "{t} then {t2}"
     );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn each_agent_step_is_routed_and_keeps_the_tools_it_called() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut cfg = config(&dir.path().canonicalize().unwrap());
+    cfg.agent.catalog_files = vec![root().join("models/fixtures/catalog.jsonl")];
+    cfg.tool_routing.route_above = 8;
+    cfg.tool_routing.router.top_k = 3;
+    cfg.tool_routing.embedder.model = root().join("models/embed/all-minilm-l6-v2-f16.gguf");
+    let (base, _stop) = common::in_process(cfg).await;
+    let c = reqwest::Client::new();
+    let input = "What is the weather in Oslo right now?";
+    // 40 client-side catalog tools and the server's list_allowed_directories, as the node
+    // lists them.
+    let listed = listed_tools(&c, &base).await;
+    let entries: Vec<&Value> = listed["catalog"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .take(40)
+        .chain(
+            listed["tools"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .filter(|t| t["name"] == "list_allowed_directories"),
+        )
+        .collect();
+    assert_eq!(entries.len(), 41);
+    let names: Vec<&Value> = entries.iter().map(|t| &t["name"]).collect();
+
+    // Routed on the task's text alone, the folder tool is not among the top 3.
+    let specs: Vec<Value> = entries
+        .iter()
+        .map(|t| {
+            json!({"type": "function", "function": {"name": t["name"],
+            "description": t["description"], "parameters": t["parameters"]}})
+        })
+        .collect();
+    let r = c
+        .post(format!("{base}/v1/chat/completions"))
+        .json(&json!({"model": "t1", "max_tokens": 1, "tools": specs,
+            "messages": [{"role": "user", "content": input}]}))
+        .send()
+        .await
+        .unwrap();
+    let v: Value = r.json().await.unwrap();
+    let alone = v["mesh"]["router"]["shown"].as_array().unwrap().clone();
+    assert!(!alone.contains(&json!("list_allowed_directories")), "{v}");
+
+    // Turn 1 must call the folder tool (the node runs it); turn 2 is routed again and
+    // still offers it.
+    let (s, t) = task(
+        &c,
+        &base,
+        json!({"model": "t1", "input": input, "tools": names,
+            "tool_choice": {"type": "function", "function": {"name": "list_allowed_directories"}},
+            "max_turns": 2, "max_tokens": 48}),
+    )
+    .await;
+    assert_eq!(s, 200, "{t}");
+    assert_eq!(
+        t["turns"][0]["tool_calls"][0]["name"], "list_allowed_directories",
+        "{t}"
+    );
+    let second = t["turns"][1]["tools_shown"]
+        .as_array()
+        .unwrap_or_else(|| panic!("turn 2 was routed: {t}"));
+    assert!(
+        second.contains(&json!("list_allowed_directories")),
+        "{second:?}"
+    );
+    assert_eq!(second.len(), 4, "top 3 plus the called tool: {second:?}");
 }

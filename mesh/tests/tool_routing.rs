@@ -25,19 +25,8 @@ fn catalog(n: usize) -> Vec<Value> {
         .collect()
 }
 
-async fn chat(c: &reqwest::Client, base: &str, body: Value) -> Value {
-    let r = c
-        .post(format!("{base}/v1/chat/completions"))
-        .json(&body)
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(r.status(), 200);
-    r.json().await.unwrap()
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn many_tools_are_routed_to_the_top_k() {
+/// A node with the bundled t1 and embedding model (routes above 8 tools, top 5).
+async fn node() -> (String, tokio::sync::oneshot::Sender<()>) {
     let mut cfg = NodeConfig {
         listen: "127.0.0.1:0".parse().unwrap(),
         tiers: vec![EngineConfig {
@@ -51,7 +40,23 @@ async fn many_tools_are_routed_to_the_top_k() {
         ..NodeConfig::default()
     };
     cfg.tool_routing.embedder.model = models().join("embed/all-minilm-l6-v2-f16.gguf");
-    let (base, _stop) = common::in_process(cfg).await;
+    common::in_process(cfg).await
+}
+
+async fn chat(c: &reqwest::Client, base: &str, body: Value) -> Value {
+    let r = c
+        .post(format!("{base}/v1/chat/completions"))
+        .json(&body)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    r.json().await.unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn many_tools_are_routed_to_the_top_k() {
+    let (base, _stop) = node().await;
     let c = reqwest::Client::new();
 
     let tools = catalog(60);
@@ -125,4 +130,49 @@ async fn many_tools_are_routed_to_the_top_k() {
         metrics.contains("mesh_tool_schemas_removed_total 110"),
         "{metrics}"
     );
+}
+
+/// Names the router kept for a reply (`mesh.router.shown`).
+fn shown(v: &Value) -> Vec<String> {
+    v["mesh"]["router"]["shown"]
+        .as_array()
+        .unwrap_or_else(|| panic!("routed: {v}"))
+        .iter()
+        .map(|s| s.as_str().unwrap().to_owned())
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tool_an_earlier_turn_called_stays_offered_at_a_later_step() {
+    let (base, _stop) = node().await;
+    let c = reqwest::Client::new();
+    let tools = catalog(60);
+    let weather =
+        json!({"role": "user", "content": "What is the forecast for Oslo on 2026-05-01?"});
+    let body = |messages: Value| json!({"model": "t1", "temperature": 0, "max_tokens": 1, "messages": messages, "tools": tools});
+
+    // The weather question alone does not route to the stock quote tool.
+    let alone = shown(&chat(&c, &base, body(json!([weather.clone()]))).await);
+    assert!(
+        !alone.iter().any(|t| t == "finance_get_stock_quote"),
+        "{alone:?}"
+    );
+
+    // The same question after a turn that called it: the call's tool is still offered,
+    // after the step's own top 5.
+    let v = chat(
+        &c,
+        &base,
+        body(json!([
+            {"role": "user", "content": "What is Apple's stock price?"},
+            {"role": "assistant", "content": null, "tool_calls": [{"id": "c1", "type": "function",
+                "function": {"name": "finance_get_stock_quote", "arguments": "{\"symbol\": \"AAPL\"}"}}]},
+            {"role": "tool", "tool_call_id": "c1", "content": "{\"price\": 190.5}"},
+            weather,
+        ])),
+    )
+    .await;
+    let later = shown(&v);
+    assert_eq!(later[..5], alone[..], "the step routes on its own question");
+    assert_eq!(later[5..], ["finance_get_stock_quote"]);
 }

@@ -267,6 +267,9 @@ pub struct TurnRecord {
     /// The cascade's steps, for a cascade turn.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub cascade: Option<Vec<CascadeStep>>,
+    /// The tools the turn's prompt showed, when the router chose them for this step.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tools_shown: Option<Vec<String>>,
 }
 
 /// A finished task.
@@ -584,6 +587,7 @@ impl Service {
                 tool_calls: vec![],
                 cascade: (!completion.mesh.cascade.is_empty())
                     .then(|| completion.mesh.cascade.clone()),
+                tools_shown: completion.mesh.router.as_ref().map(|r| r.shown.clone()),
             };
             emit(TaskEvent::Turn {
                 turn,

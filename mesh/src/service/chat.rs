@@ -185,14 +185,44 @@ fn budget(
     }
 }
 
-/// Text of the last user message (the intent the tool router matches).
-fn last_user_text(messages: &[ChatMessage]) -> Option<String> {
-    messages
+/// What the tool router matches for the current step of a conversation.
+#[derive(Debug, Clone, PartialEq, Default)]
+pub(crate) struct StepQuery {
+    /// The last user message, then the model's stated next step when it wrote one after it.
+    pub(crate) intent: String,
+    /// Tools the conversation's assistant turns called, first use first, once each.
+    pub(crate) used: Vec<String>,
+}
+
+/// The routing question of a conversation's current step: the last user message (the task,
+/// or the user's latest turn) plus the text of the latest assistant turn after it (what the
+/// model said it does next), and every tool already called, which stays offered. Tool
+/// results are not part of the query: their text is data, not intent. `None` without a
+/// non-empty user message.
+pub(crate) fn step_query(messages: &[ChatMessage]) -> Option<StepQuery> {
+    let u = messages
+        .iter()
+        .rposition(|m| m.role == Role::User && !m.content.trim().is_empty())?;
+    let mut intent = messages[u].content.clone();
+    let stated = messages[u + 1..]
         .iter()
         .rev()
-        .find(|m| m.role == Role::User)
-        .map(|m| m.content.clone())
-        .filter(|t| !t.is_empty())
+        .find(|m| m.role == Role::Assistant && !m.content.trim().is_empty());
+    if let Some(m) = stated {
+        intent.push('\n');
+        intent.push_str(m.content.trim());
+    }
+    let mut used: Vec<String> = vec![];
+    for c in messages
+        .iter()
+        .filter(|m| m.role == Role::Assistant)
+        .flat_map(|m| &m.tool_calls)
+    {
+        if !used.contains(&c.name) {
+            used.push(c.name.clone());
+        }
+    }
+    Some(StepQuery { intent, used })
 }
 
 /// A generation job ready for a tier.
@@ -309,8 +339,9 @@ impl Service {
         }
     }
 
-    /// With more tools than `route_above`, the router actor keeps its top-k for the last
-    /// user message (a `tool_choice` tool always stays). Routing problems (no embedding
+    /// With more tools than `route_above`, the router actor keeps its top-k for the
+    /// conversation's current step ([`step_query`]); a `tool_choice` tool and the tools
+    /// earlier steps called always stay. Routing problems (no embedding
     /// model, duplicate names, the router down) are logged and the call keeps every tool.
     pub(crate) async fn route_tools(
         &self,
@@ -334,7 +365,7 @@ impl Service {
             (None, None) => return None,
             _ => None,
         };
-        let intent = last_user_text(&call.messages)?;
+        let StepQuery { intent, used } = step_query(&call.messages)?;
         let query = RouteQuery {
             tools: call
                 .tools
@@ -377,8 +408,14 @@ impl Service {
                 .inc();
         };
         match routed {
-            Ok(info) => {
+            Ok(mut info) => {
                 outcome("routed");
+                // Tools earlier steps called stay offered (after the routed ones).
+                for u in &used {
+                    if !info.shown.contains(u) && call.tools.iter().any(|t| &t.name == u) {
+                        info.shown.push(u.clone());
+                    }
+                }
                 // The request's own order, so requests that route to the same tools share
                 // one prompt prefix (and its KV pages).
                 call.tools.retain(|t| info.shown.contains(&t.name));
@@ -664,6 +701,72 @@ mod tests {
             description: String::new(),
             parameters: json!({"type": "object"}),
         }]
+    }
+
+    fn msg(role: Role, content: &str, calls: &[&str]) -> ChatMessage {
+        ChatMessage {
+            role,
+            content: content.into(),
+            tool_calls: calls
+                .iter()
+                .map(|n| chat::ToolCall {
+                    name: (*n).into(),
+                    arguments: json!({}),
+                })
+                .collect(),
+        }
+    }
+
+    #[test]
+    fn a_plain_request_routes_on_its_last_user_message() {
+        let q = step_query(&[
+            msg(Role::System, "be brief", &[]),
+            msg(Role::User, "book a flight", &[]),
+            msg(Role::Assistant, "done", &[]),
+            msg(Role::User, "now a hotel", &[]),
+        ])
+        .unwrap();
+        assert_eq!(q.intent, "now a hotel");
+    }
+
+    #[test]
+    fn the_models_stated_next_step_joins_the_intent() {
+        let q = step_query(&[
+            msg(Role::User, "plan my trip", &[]),
+            msg(Role::Assistant, "First the flight.", &["search_flights"]),
+            msg(Role::Tool, "{\"flights\": []}", &[]),
+            msg(
+                Role::Assistant,
+                "No flights; I will look for trains.",
+                &["search_trains"],
+            ),
+            msg(Role::Tool, "{\"trains\": [1]}", &[]),
+        ])
+        .unwrap();
+        assert_eq!(
+            q.intent,
+            "plan my trip\nNo flights; I will look for trains."
+        );
+    }
+
+    #[test]
+    fn tools_already_called_are_listed_once_in_order() {
+        let q = step_query(&[
+            msg(Role::User, "go", &[]),
+            msg(Role::Assistant, "", &["b", "a"]),
+            msg(Role::Tool, "ok", &[]),
+            msg(Role::Assistant, "", &["a", "c"]),
+        ])
+        .unwrap();
+        assert_eq!(q.used, ["b", "a", "c"]);
+    }
+
+    #[test]
+    fn no_user_text_means_no_routing() {
+        assert_eq!(
+            step_query(&[msg(Role::System, "s", &[]), msg(Role::User, " ", &[])]),
+            None
+        );
     }
 
     #[test]
