@@ -29,6 +29,7 @@ use mesh_control::index::recall;
 use mesh_control::router::tool_text;
 use mesh_control::{Embedder, EmbedderConfig, RouterConfig, Tool, ToolRouter, ToolText};
 use mesh_evals::bfcl::{find_file, read_jsonl};
+use mesh_evals::multistep::{self, merge_rankings, split_intents, Mean};
 
 #[derive(Parser, Debug)]
 #[command(about = "Tool-router recall, prompt tokens and latency on BFCL data")]
@@ -316,12 +317,13 @@ fn main() -> Result<()> {
                 .collect(),
         });
     }
-    let (mut sweep_rows, mut token_rows) = (Vec::new(), Vec::new());
+    let (mut sweep_rows, mut token_rows, mut split_rows) = (Vec::new(), Vec::new(), Vec::new());
     if !args.latency_only {
         print_recall(&results);
         if args.misses > 0 {
             print_misses(&embedder, &pooled, &questions, &query_vecs, args.misses)?;
         }
+        split_rows = split_check(&embedder, &pooled, &questions, &query_vecs)?;
         sweep_rows = sweep(&embedder, &pooled, &questions, &query_vecs)?;
         token_rows = tokens(&args, &embedder, &pooled, &questions, &query_vecs)?;
     }
@@ -345,6 +347,7 @@ fn main() -> Result<()> {
             },
             "recall": results,
             "sweep": sweep_rows,
+            "split": split_rows,
             "tokens": token_rows,
             "latency": latency,
             "load_average": [load_before, load_after],
@@ -355,6 +358,58 @@ fn main() -> Result<()> {
         println!("\nwrote {}", out.display());
     }
     Ok(())
+}
+
+/// Multi-intent queries: `parallel_multiple` questions (each asks for several functions)
+/// against the pooled catalog with the default router, ranked on the whole question and on
+/// the whole question interleaved with its sub-queries (`mesh_evals::multistep`).
+fn split_check(
+    embedder: &Embedder,
+    pooled: &[Tool],
+    questions: &[Question],
+    vecs: &[Vec<f32>],
+) -> Result<Vec<Value>> {
+    let router = ToolRouter::build(embedder, pooled.to_vec(), RouterConfig::default())?;
+    println!("\n### Multi-intent: parallel_multiple, pooled catalog, default router\n");
+    println!("| k | questions | split into 2+ | recall whole question | recall split and merged |");
+    println!("|---|---|---|---|---|");
+    let mut rows = vec![];
+    for k in [5, 10] {
+        let (mut whole, mut split, mut n_split) = (Mean::default(), Mean::default(), 0);
+        for (q, v) in questions.iter().zip(vecs) {
+            if q.category != "parallel_multiple" {
+                continue;
+            }
+            let names = |r: mesh_control::Routing| -> Vec<String> {
+                r.names().into_iter().map(str::to_owned).collect()
+            };
+            let ranked = names(router.route_vector(v, &q.query, k, &[])?);
+            let subs = split_intents(&q.query);
+            let merged = if subs.len() < 2 {
+                ranked.clone()
+            } else {
+                n_split += 1;
+                let mut lists = vec![ranked.clone()];
+                for s in &subs {
+                    lists.push(names(router.route_with(embedder, s, k, &[])?));
+                }
+                merge_rankings(&lists, k)
+            };
+            let mut truth = q.truth.clone();
+            truth.dedup();
+            whole.add(multistep::recall(&ranked, &truth));
+            split.add(multistep::recall(&merged, &truth));
+        }
+        println!(
+            "| {k} | {} | {n_split} | {:.3} | {:.3} |",
+            whole.count(),
+            whole.get().unwrap_or(f64::NAN),
+            split.get().unwrap_or(f64::NAN)
+        );
+        rows.push(json!({"k": k, "questions": whole.count(), "split": n_split,
+            "recall_whole": whole.get(), "recall_split": split.get()}));
+    }
+    Ok(rows)
 }
 
 fn print_recall(results: &[Variant]) {

@@ -13,7 +13,7 @@
 //!
 //! For each router setting (plain cosine; the default hybrid router) and each strategy of
 //! `mesh_evals::multistep` (route once on the first message; per step; per step keeping the
-//! tools already used), it reports recall@k per step (needed functions of the step among those
+//! tools already used; per step split into sub-queries), it reports recall@k per step (needed functions of the step among those
 //! offered), per task (mean of its steps), the share of tasks whose every step was covered,
 //! the mean number of tools offered and their schema tokens (all-MiniLM-L6-v2 WordPiece,
 //! compact OpenAI JSON) against the whole catalog's. Every fifth task (by its number) is held
@@ -28,7 +28,9 @@ use serde_json::json;
 
 use mesh_control::{Embedder, EmbedderConfig, RouterConfig, Tool, ToolRouter, ToolText};
 use mesh_evals::bfcl::{find_file, read_jsonl};
-use mesh_evals::multistep::{self, held_out, offered, recall, Mean, Strategy, Task};
+use mesh_evals::multistep::{
+    self, held_out, merge_rankings, offered, recall, split_intents, Mean, Ranked, Strategy, Task,
+};
 
 #[derive(Parser, Debug)]
 #[command(about = "Tool routing per step of BFCL's multi-turn agent tasks")]
@@ -118,6 +120,12 @@ fn main() -> Result<()> {
         args.categories.join(", "),
         tools.len()
     );
+    let split_steps = tasks
+        .iter()
+        .flat_map(|t| &t.steps)
+        .filter(|s| split_intents(&s.query).len() > 1)
+        .count();
+    println!("{split_steps} steps split into two or more sub-queries");
     let embedder = Embedder::new(EmbedderConfig {
         model: args.model.clone(),
         threads: args.threads,
@@ -160,12 +168,12 @@ fn main() -> Result<()> {
     for (vname, config) in &variants {
         let router = ToolRouter::build(&embedder, tools.clone(), config.clone())?;
         // cells[part][strategy][k]: part 0 = tuning, 1 = held out.
-        let mut cells = vec![vec![vec![Cell::default(); args.ks.len()]; 3]; 2];
+        let mut cells = vec![vec![vec![Cell::default(); args.ks.len()]; Strategy::ALL.len()]; 2];
         let mut v = 0;
         for task in &tasks {
             let part = usize::from(held_out(&task.id));
             let first_v = v;
-            let mut per_task = vec![vec![Mean::default(); args.ks.len()]; 3];
+            let mut per_task = vec![vec![Mean::default(); args.ks.len()]; Strategy::ALL.len()];
             let mut used: Vec<String> = Vec::new();
             for step in &task.steps {
                 for (ki, &k) in args.ks.iter().enumerate() {
@@ -179,8 +187,30 @@ fn main() -> Result<()> {
                     };
                     let first = rank(first_v, &task.steps[0].query)?;
                     let this = rank(v, &step.query)?;
+                    let subs = split_intents(&step.query);
+                    let split = if subs.len() < 2 {
+                        this.clone()
+                    } else {
+                        let mut lists = vec![this.clone()];
+                        for q in &subs {
+                            lists.push(
+                                router
+                                    .route_with(&embedder, q, k, &[])?
+                                    .names()
+                                    .into_iter()
+                                    .map(str::to_owned)
+                                    .collect(),
+                            );
+                        }
+                        merge_rankings(&lists, k)
+                    };
+                    let ranked = Ranked {
+                        first: &first,
+                        step: &this,
+                        split: &split,
+                    };
                     for (si, s) in Strategy::ALL.into_iter().enumerate() {
-                        let o = offered(s, &first, &this, &used, k);
+                        let o = offered(s, ranked, &used, k);
                         let r = recall(&o, &step.truth);
                         let c = &mut cells[part][si][ki];
                         c.step.add(r);
@@ -196,7 +226,7 @@ fn main() -> Result<()> {
                 }
                 v += 1;
             }
-            for si in 0..3 {
+            for si in 0..Strategy::ALL.len() {
                 for ki in 0..args.ks.len() {
                     let m = per_task[si][ki].get().unwrap_or(0.0);
                     cells[part][si][ki].task.add(m);
@@ -246,6 +276,7 @@ fn main() -> Result<()> {
             "tasks": tasks.len(),
             "held_out_tasks": held,
             "steps": steps,
+            "steps_split": split_steps,
             "needed_calls_outside_catalog": outside,
             "embedder": args.model.display().to_string(),
             "results": report,

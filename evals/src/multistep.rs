@@ -7,7 +7,9 @@
 //!   tools at every step (what routing once per conversation gives an agent loop);
 //! - [`Strategy::PerStep`]: route on the current step's user message;
 //! - [`Strategy::PerStepKeepUsed`]: route on the current step and also keep offering every
-//!   tool an earlier step used (so the offer can exceed `k`).
+//!   tool an earlier step used (so the offer can exceed `k`);
+//! - [`Strategy::PerStepSplit`]: route on the current step and on each of its sub-queries
+//!   ([`split_intents`]) and interleave the rankings ([`merge_rankings`]).
 
 use std::collections::{HashMap, HashSet};
 
@@ -118,14 +120,17 @@ pub enum Strategy {
     PerStep,
     /// Route on each step and keep offering the tools earlier steps used.
     PerStepKeepUsed,
+    /// Route on each step and on each of its sub-queries, rankings interleaved.
+    PerStepSplit,
 }
 
 impl Strategy {
     /// Every strategy, in report order.
-    pub const ALL: [Strategy; 3] = [
+    pub const ALL: [Strategy; 4] = [
         Strategy::FirstMessage,
         Strategy::PerStep,
         Strategy::PerStepKeepUsed,
+        Strategy::PerStepSplit,
     ];
 
     /// The strategy's name in reports.
@@ -134,28 +139,119 @@ impl Strategy {
             Strategy::FirstMessage => "first message only",
             Strategy::PerStep => "per step",
             Strategy::PerStepKeepUsed => "per step + tools already used",
+            Strategy::PerStepSplit => "per step, split into sub-queries",
         }
     }
+}
+
+/// The rankings a step's offer is made from, each best first.
+#[derive(Debug, Clone, Copy)]
+pub struct Ranked<'a> {
+    /// For the task's first user message.
+    pub first: &'a [String],
+    /// For the step's user message.
+    pub step: &'a [String],
+    /// The step's ranking interleaved with its sub-queries' ([`merge_rankings`]); equal to
+    /// `step` when the message does not split.
+    pub split: &'a [String],
 }
 
 /// The tools offered at a step: the first `k` of the ranking the strategy routes on, plus,
 /// for [`Strategy::PerStepKeepUsed`], the tools earlier steps used (in order, no repeats).
 pub fn offered(
     strategy: Strategy,
-    ranked_first: &[String],
-    ranked_step: &[String],
+    ranked: Ranked,
     used_before: &[String],
     k: usize,
 ) -> Vec<String> {
-    let ranked = match strategy {
-        Strategy::FirstMessage => ranked_first,
-        _ => ranked_step,
+    let list = match strategy {
+        Strategy::FirstMessage => ranked.first,
+        Strategy::PerStepSplit => ranked.split,
+        _ => ranked.step,
     };
-    let mut out: Vec<String> = ranked.iter().take(k).cloned().collect();
+    let mut out: Vec<String> = list.iter().take(k).cloned().collect();
     if strategy == Strategy::PerStepKeepUsed {
         for u in used_before {
             if !out.contains(u) {
                 out.push(u.clone());
+            }
+        }
+    }
+    out
+}
+
+/// Words that start another request inside a sentence.
+const JOINERS: [&str; 7] = [
+    " and then ",
+    ", then ",
+    " then ",
+    " and also ",
+    " after that ",
+    " additionally ",
+    " also ",
+];
+
+/// The sub-queries of a message that asks for several things: its sentences (cut at `.`, `?`,
+/// `!` or `;` before a space, and at line breaks), each cut again before "then", "and
+/// then", "also", "after that" and "additionally". Pieces under three words are dropped
+/// (they name no request). A message with fewer than two pieces is one query.
+pub fn split_intents(text: &str) -> Vec<String> {
+    let mut sentences = vec![];
+    let mut start = 0;
+    let bytes = text.as_bytes();
+    for (i, c) in text.char_indices() {
+        let end_mark = matches!(c, '.' | '?' | '!' | ';')
+            && bytes.get(i + 1).is_none_or(|b| b.is_ascii_whitespace());
+        if end_mark || c == '\n' {
+            sentences.push(&text[start..i]);
+            start = i + 1;
+        }
+    }
+    sentences.push(&text[start..]);
+    let mut pieces = vec![];
+    for s in sentences {
+        let lower = s.to_ascii_lowercase();
+        let mut cut = 0;
+        let mut i = 0;
+        while i < s.len() {
+            match JOINERS.iter().find(|j| lower[i..].starts_with(*j)) {
+                Some(j) => {
+                    pieces.push(&s[cut..i]);
+                    i += j.len();
+                    cut = i;
+                }
+                None => i += s[i..].chars().next().map_or(1, char::len_utf8),
+            }
+        }
+        pieces.push(&s[cut..]);
+    }
+    let kept: Vec<String> = pieces
+        .into_iter()
+        .map(|p| p.trim().trim_end_matches(',').trim_end())
+        .filter(|p| p.split_whitespace().count() >= 3)
+        .map(str::to_owned)
+        .collect();
+    if kept.len() < 2 {
+        vec![text.trim().to_owned()]
+    } else {
+        kept
+    }
+}
+
+/// Rankings interleaved by rank (every list's first, then every list's second, ...), each
+/// name once, the first `k`.
+pub fn merge_rankings(lists: &[Vec<String>], k: usize) -> Vec<String> {
+    let mut out: Vec<String> = vec![];
+    let depth = lists.iter().map(Vec::len).max().unwrap_or(0);
+    for r in 0..depth {
+        for l in lists {
+            if out.len() == k {
+                return out;
+            }
+            if let Some(n) = l.get(r) {
+                if !out.contains(n) {
+                    out.push(n.clone());
+                }
             }
         }
     }
@@ -249,26 +345,53 @@ mod tests {
 
     #[test]
     fn first_message_strategy_ignores_the_step() {
-        let o = offered(
-            Strategy::FirstMessage,
-            &s(&["a", "b", "c"]),
-            &s(&["x", "y"]),
-            &s(&["u"]),
-            2,
-        );
+        let (first, step) = (s(&["a", "b", "c"]), s(&["x", "y"]));
+        let ranked = Ranked {
+            first: &first,
+            step: &step,
+            split: &step,
+        };
+        let o = offered(Strategy::FirstMessage, ranked, &s(&["u"]), 2);
         assert_eq!(o, s(&["a", "b"]));
     }
 
     #[test]
     fn keep_used_adds_earlier_tools_once() {
-        let o = offered(
-            Strategy::PerStepKeepUsed,
-            &s(&["a"]),
-            &s(&["x", "y", "z"]),
-            &s(&["y", "u", "u"]),
-            2,
-        );
+        let (first, step) = (s(&["a"]), s(&["x", "y", "z"]));
+        let ranked = Ranked {
+            first: &first,
+            step: &step,
+            split: &step,
+        };
+        let o = offered(Strategy::PerStepKeepUsed, ranked, &s(&["y", "u", "u"]), 2);
         assert_eq!(o, s(&["x", "y", "u"]));
+    }
+
+    #[test]
+    fn a_message_splits_at_sentences_and_joiners() {
+        assert_eq!(
+            split_intents("Move report.txt to the archive folder. Then email the summary to Bob, and also book a taxi for 5 pm!"),
+            s(&[
+                "Move report.txt to the archive folder",
+                "email the summary to Bob",
+                "book a taxi for 5 pm",
+            ])
+        );
+    }
+
+    #[test]
+    fn a_single_request_stays_whole() {
+        assert_eq!(
+            split_intents("What is the weather in Oslo? Thanks."),
+            s(&["What is the weather in Oslo? Thanks."])
+        );
+    }
+
+    #[test]
+    fn rankings_interleave_by_rank_without_repeats() {
+        let lists = [s(&["a", "b", "c"]), s(&["x", "a", "y"]), s(&["z"])];
+        assert_eq!(merge_rankings(&lists, 5), s(&["a", "x", "z", "b", "c"]));
+        assert_eq!(merge_rankings(&lists, 2), s(&["a", "x"]));
     }
 
     #[test]
