@@ -13,23 +13,27 @@
 //!
 //! For each router setting (plain cosine; the default hybrid router) and each strategy of
 //! `mesh_evals::multistep` (route once on the first message; per step; per step keeping the
-//! tools already used; per step split into sub-queries), it reports recall@k per step (needed functions of the step among those
+//! tools already used; per step split into sub-queries; per step, two-level: the `--servers`
+//! API classes whose descriptions best match the step, then their tools in the router's
+//! order), it reports recall@k per step (needed functions of the step among those
 //! offered), per task (mean of its steps), the share of tasks whose every step was covered,
 //! the mean number of tools offered and their schema tokens (all-MiniLM-L6-v2 WordPiece,
 //! compact OpenAI JSON) against the whole catalog's. Every fifth task (by its number) is held
 //! out, and reported apart: decisions are to be made on the other part only.
 
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
 use std::path::{Path, PathBuf};
 
 use anyhow::{bail, Context, Result};
 use clap::Parser;
 use serde_json::json;
 
+use mesh_control::embed::normalize;
 use mesh_control::{Embedder, EmbedderConfig, RouterConfig, Tool, ToolRouter, ToolText};
 use mesh_evals::bfcl::{find_file, read_jsonl};
 use mesh_evals::multistep::{
-    self, held_out, merge_rankings, offered, recall, split_intents, Mean, Ranked, Strategy, Task,
+    self, best_servers, held_out, merge_rankings, offered, recall, split_intents, two_level, Mean,
+    Ranked, Strategy, Task,
 };
 
 #[derive(Parser, Debug)]
@@ -51,13 +55,25 @@ struct Args {
     /// llama.cpp threads for the embedder (0 = all cores).
     #[arg(long, default_value_t = 0)]
     threads: u32,
+    /// Servers (API classes) the two-level strategy keeps before ranking tools.
+    #[arg(long, default_value_t = 2)]
+    servers: usize,
     /// Write the full report as JSON here.
     #[arg(long)]
     out: Option<PathBuf>,
 }
 
+/// The catalog's API classes as servers: each one's description and which tools it has.
+struct Servers {
+    /// What each class says of itself: the part of its first tool's description before
+    /// "Tool description:" (the file name when there is none).
+    descriptions: Vec<String>,
+    /// Tool name to its class's index.
+    server_of: HashMap<String, usize>,
+}
+
 /// The multi-turn functions, all classes pooled, first definition of a name wins.
-fn catalog(dir: &Path) -> Result<Vec<Tool>> {
+fn catalog(dir: &Path) -> Result<(Vec<Tool>, Servers)> {
     let docs = dir.join("multi_turn_func_doc");
     let mut files: Vec<PathBuf> = std::fs::read_dir(&docs)
         .with_context(|| format!("reading {} (run scripts/fetch-bfcl.sh)", docs.display()))?
@@ -72,16 +88,37 @@ fn catalog(dir: &Path) -> Result<Vec<Tool>> {
     files.sort();
     let mut seen = HashSet::new();
     let mut out = Vec::new();
+    let mut servers = Servers {
+        descriptions: vec![],
+        server_of: HashMap::new(),
+    };
     for f in files {
+        let index = servers.descriptions.len();
+        let mut description = None;
         for v in read_jsonl(&f)? {
             if let Some(t) = Tool::from_openai(&v) {
+                description.get_or_insert_with(|| {
+                    t.description
+                        .split("Tool description:")
+                        .next()
+                        .unwrap_or_default()
+                        .trim()
+                        .to_owned()
+                });
                 if seen.insert(t.name.clone()) {
+                    servers.server_of.insert(t.name.clone(), index);
                     out.push(t);
                 }
             }
         }
+        let stem = f.file_stem().unwrap_or_default().to_string_lossy();
+        servers.descriptions.push(
+            description
+                .filter(|d| !d.is_empty())
+                .unwrap_or_else(|| stem.replace('_', " ")),
+        );
     }
-    Ok(out)
+    Ok((out, servers))
 }
 
 #[derive(Default, Clone)]
@@ -98,7 +135,7 @@ fn main() -> Result<()> {
     if args.ks.is_empty() || args.ks.contains(&0) {
         bail!("--ks takes offer sizes of at least 1");
     }
-    let tools = catalog(&args.data)?;
+    let (tools, servers) = catalog(&args.data)?;
     let mut tasks: Vec<Task> = Vec::new();
     for c in &args.categories {
         let q = read_jsonl(&find_file(&args.data, c)?)?;
@@ -149,6 +186,8 @@ fn main() -> Result<()> {
         .map(|s| s.query.as_str())
         .collect();
     let vecs = embedder.embed_batch(&queries)?;
+    let mut server_vecs = embedder.embed_batch(&servers.descriptions)?;
+    server_vecs.iter_mut().for_each(|v| normalize(v));
 
     let variants = [
         (
@@ -204,10 +243,19 @@ fn main() -> Result<()> {
                         }
                         merge_rankings(&lists, k)
                     };
+                    let flat: Vec<String> = router
+                        .route_vector(&vecs[v], &step.query, tools.len(), &[])?
+                        .names()
+                        .into_iter()
+                        .map(str::to_owned)
+                        .collect();
+                    let best = best_servers(&vecs[v], &server_vecs, args.servers);
+                    let two = two_level(&flat, &servers.server_of, &best, k);
                     let ranked = Ranked {
                         first: &first,
                         step: &this,
                         split: &split,
+                        two_level: &two,
                     };
                     for (si, s) in Strategy::ALL.into_iter().enumerate() {
                         let o = offered(s, ranked, &used, k);
@@ -277,6 +325,8 @@ fn main() -> Result<()> {
             "held_out_tasks": held,
             "steps": steps,
             "steps_split": split_steps,
+            "two_level_servers": args.servers,
+            "servers": servers.descriptions,
             "needed_calls_outside_catalog": outside,
             "embedder": args.model.display().to_string(),
             "results": report,

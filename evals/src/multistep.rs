@@ -9,7 +9,9 @@
 //! - [`Strategy::PerStepKeepUsed`]: route on the current step and also keep offering every
 //!   tool an earlier step used (so the offer can exceed `k`);
 //! - [`Strategy::PerStepSplit`]: route on the current step and on each of its sub-queries
-//!   ([`split_intents`]) and interleave the rankings ([`merge_rankings`]).
+//!   ([`split_intents`]) and interleave the rankings ([`merge_rankings`]);
+//! - [`Strategy::PerStepTwoLevel`]: route on the current step, first to the servers whose
+//!   descriptions match it best, then to their tools ([`two_level`]).
 
 use std::collections::{HashMap, HashSet};
 
@@ -122,15 +124,18 @@ pub enum Strategy {
     PerStepKeepUsed,
     /// Route on each step and on each of its sub-queries, rankings interleaved.
     PerStepSplit,
+    /// Route on each step to the best servers, then to their tools.
+    PerStepTwoLevel,
 }
 
 impl Strategy {
     /// Every strategy, in report order.
-    pub const ALL: [Strategy; 4] = [
+    pub const ALL: [Strategy; 5] = [
         Strategy::FirstMessage,
         Strategy::PerStep,
         Strategy::PerStepKeepUsed,
         Strategy::PerStepSplit,
+        Strategy::PerStepTwoLevel,
     ];
 
     /// The strategy's name in reports.
@@ -140,6 +145,7 @@ impl Strategy {
             Strategy::PerStep => "per step",
             Strategy::PerStepKeepUsed => "per step + tools already used",
             Strategy::PerStepSplit => "per step, split into sub-queries",
+            Strategy::PerStepTwoLevel => "per step, two-level (servers, then tools)",
         }
     }
 }
@@ -154,6 +160,8 @@ pub struct Ranked<'a> {
     /// The step's ranking interleaved with its sub-queries' ([`merge_rankings`]); equal to
     /// `step` when the message does not split.
     pub split: &'a [String],
+    /// The step's two-level ranking ([`two_level`]).
+    pub two_level: &'a [String],
 }
 
 /// The tools offered at a step: the first `k` of the ranking the strategy routes on, plus,
@@ -167,6 +175,7 @@ pub fn offered(
     let list = match strategy {
         Strategy::FirstMessage => ranked.first,
         Strategy::PerStepSplit => ranked.split,
+        Strategy::PerStepTwoLevel => ranked.two_level,
         _ => ranked.step,
     };
     let mut out: Vec<String> = list.iter().take(k).cloned().collect();
@@ -178,6 +187,36 @@ pub fn offered(
         }
     }
     out
+}
+
+/// A two-level ranking: the tools of the `servers` chosen first (each tool's server in
+/// `server_of`), in the order of the flat ranking `flat`, then the other tools in that order;
+/// the first `k`.
+pub fn two_level(
+    flat: &[String],
+    server_of: &HashMap<String, usize>,
+    servers: &[usize],
+    k: usize,
+) -> Vec<String> {
+    let chosen = |n: &String| server_of.get(n).is_some_and(|s| servers.contains(s));
+    flat.iter()
+        .filter(|n| chosen(n))
+        .chain(flat.iter().filter(|n| !chosen(n)))
+        .take(k)
+        .cloned()
+        .collect()
+}
+
+/// The `m` best servers for a query vector: the highest dot products with the servers'
+/// description vectors (all unit length), best first.
+pub fn best_servers(query: &[f32], servers: &[Vec<f32>], m: usize) -> Vec<usize> {
+    let mut scored: Vec<(usize, f32)> = servers
+        .iter()
+        .enumerate()
+        .map(|(i, v)| (i, v.iter().zip(query).map(|(a, b)| a * b).sum()))
+        .collect();
+    scored.sort_by(|a, b| b.1.total_cmp(&a.1));
+    scored.into_iter().take(m).map(|(i, _)| i).collect()
 }
 
 /// Words that start another request inside a sentence.
@@ -350,6 +389,7 @@ mod tests {
             first: &first,
             step: &step,
             split: &step,
+            two_level: &step,
         };
         let o = offered(Strategy::FirstMessage, ranked, &s(&["u"]), 2);
         assert_eq!(o, s(&["a", "b"]));
@@ -362,6 +402,7 @@ mod tests {
             first: &first,
             step: &step,
             split: &step,
+            two_level: &step,
         };
         let o = offered(Strategy::PerStepKeepUsed, ranked, &s(&["y", "u", "u"]), 2);
         assert_eq!(o, s(&["x", "y", "u"]));
@@ -385,6 +426,30 @@ mod tests {
             split_intents("What is the weather in Oslo? Thanks."),
             s(&["What is the weather in Oslo? Thanks."])
         );
+    }
+
+    #[test]
+    fn two_level_puts_the_chosen_servers_tools_first_in_flat_order() {
+        let flat = s(&["a1", "b1", "c1", "a2", "b2"]);
+        let server_of: HashMap<String, usize> =
+            [("a1", 0), ("a2", 0), ("b1", 1), ("b2", 1), ("c1", 2)]
+                .into_iter()
+                .map(|(n, i)| (n.to_owned(), i))
+                .collect();
+        assert_eq!(
+            two_level(&flat, &server_of, &[0], 3),
+            s(&["a1", "a2", "b1"])
+        );
+        assert_eq!(
+            two_level(&flat, &server_of, &[2, 1], 4),
+            s(&["b1", "c1", "b2", "a1"])
+        );
+    }
+
+    #[test]
+    fn best_servers_are_the_highest_dot_products() {
+        let servers = vec![vec![1.0, 0.0], vec![0.0, 1.0], vec![0.6, 0.8]];
+        assert_eq!(best_servers(&[0.0, 1.0], &servers, 2), [1, 2]);
     }
 
     #[test]
