@@ -451,33 +451,6 @@ pub fn normalize(v: &mut [f32]) {
     }
 }
 
-/// Matryoshka truncation: layer-norm over the full vector (no affine), keep the first
-/// `dim` components, re-normalise.
-///
-/// Meaningful only for embedders trained with Matryoshka Representation Learning
-/// (nomic-embed-text v1.5, mxbai-embed-large, OpenAI text-embedding-3), whose leading
-/// dimensions carry most of the information by construction. all-MiniLM-L6-v2 is not
-/// MRL-trained: a prefix of its vector is just a random projection and loses recall
-/// quickly. A shorter vector halves scan time and memory per halving of `dim`.
-///
-/// # Panics
-///
-/// If `dim` is 0 or larger than `v.len()`.
-pub fn matryoshka_truncate(v: &[f32], dim: usize) -> Vec<f32> {
-    assert!(
-        dim > 0 && dim <= v.len(),
-        "matryoshka dim {dim} not in 1..={}",
-        v.len()
-    );
-    let n = v.len() as f32;
-    let mean = v.iter().sum::<f32>() / n;
-    let var = v.iter().map(|x| (x - mean) * (x - mean)).sum::<f32>() / n;
-    let inv = 1.0 / (var + 1e-5).sqrt();
-    let mut out: Vec<f32> = v[..dim].iter().map(|x| (x - mean) * inv).collect();
-    normalize(&mut out);
-    out
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -490,31 +463,6 @@ mod tests {
         let mut z = vec![0.0; 3];
         normalize(&mut z);
         assert_eq!(z, vec![0.0; 3]);
-    }
-
-    #[test]
-    fn matryoshka_is_unit_length_prefix_of_the_layer_normed_vector() {
-        let v: Vec<f32> = (0..8).map(|i| i as f32).collect();
-        let t = matryoshka_truncate(&v, 4);
-        assert_eq!(t.len(), 4);
-        let norm: f32 = t.iter().map(|x| x * x).sum::<f32>().sqrt();
-        assert!((norm - 1.0).abs() < 1e-5);
-        // Centred (mean 3.5): the first four components are all negative, increasing.
-        assert!(t.iter().all(|&x| x < 0.0));
-        assert!(t.windows(2).all(|w| w[0] < w[1]));
-        // The full length keeps the direction of the centred vector.
-        let full = matryoshka_truncate(&v, 8);
-        let mut centred: Vec<f32> = v.iter().map(|x| x - 3.5).collect();
-        normalize(&mut centred);
-        for (a, b) in full.iter().zip(&centred) {
-            assert!((a - b).abs() < 1e-4);
-        }
-    }
-
-    #[test]
-    #[should_panic(expected = "matryoshka dim")]
-    fn matryoshka_rejects_a_longer_prefix() {
-        matryoshka_truncate(&[1.0, 2.0], 3);
     }
 
     #[test]

@@ -29,12 +29,14 @@ use clap::Parser;
 use serde_json::json;
 
 use mesh_control::embed::normalize;
+use mesh_control::router::tool_text;
 use mesh_control::{Embedder, EmbedderConfig, RouterConfig, Tool, ToolRouter, ToolText};
 use mesh_evals::bfcl::{find_file, read_jsonl};
 use mesh_evals::multistep::{
-    self, best_servers, held_out, merge_rankings, offered, recall, split_intents, two_level, Mean,
-    Ranked, Strategy, Task,
+    self, held_out, merge_rankings, offered, recall, split_intents, two_level, Mean, Ranked,
+    Strategy, Task,
 };
+use mesh_evals::vectors::{matryoshka_truncate, top_k};
 
 #[derive(Parser, Debug)]
 #[command(about = "Tool routing per step of BFCL's multi-turn agent tasks")]
@@ -58,6 +60,10 @@ struct Args {
     /// Servers (API classes) the two-level strategy keeps before ranking tools.
     #[arg(long, default_value_t = 2)]
     servers: usize,
+    /// Prefix lengths for the Matryoshka check: plain cosine (name: description) per step on
+    /// the first d dimensions of the layer-normed vectors; empty to skip.
+    #[arg(long, value_delimiter = ',', default_value = "64,128,192,384")]
+    matryoshka: Vec<usize>,
     /// Write the full report as JSON here.
     #[arg(long)]
     out: Option<PathBuf>,
@@ -119,6 +125,82 @@ fn catalog(dir: &Path) -> Result<(Vec<Tool>, Servers)> {
         );
     }
     Ok((out, servers))
+}
+
+/// Recall per step of plain cosine on the whole vectors and on Matryoshka prefixes of
+/// `--matryoshka` lengths, both parts; printed and returned as JSON rows.
+fn matryoshka_check(
+    args: &Args,
+    embedder: &Embedder,
+    tools: &[Tool],
+    tasks: &[Task],
+    vecs: &[Vec<f32>],
+) -> Result<Vec<serde_json::Value>> {
+    if args.matryoshka.is_empty() {
+        return Ok(vec![]);
+    }
+    let dim = vecs.first().map_or(0, Vec::len);
+    if let Some(d) = args.matryoshka.iter().find(|&&d| d == 0 || d > dim) {
+        bail!("--matryoshka {d}: prefixes are 1..={dim} dimensions");
+    }
+    let texts: Vec<String> = tools
+        .iter()
+        .map(|t| tool_text(t, ToolText::NameDescription))
+        .collect();
+    let tool_vecs = embedder.embed_batch(&texts)?;
+    let unit = |v: &Vec<f32>| {
+        let mut v = v.clone();
+        normalize(&mut v);
+        v
+    };
+    let mut settings: Vec<(String, Vec<Vec<f32>>, Vec<Vec<f32>>)> = vec![(
+        format!("whole vector ({dim})"),
+        tool_vecs.iter().map(unit).collect(),
+        vecs.iter().map(unit).collect(),
+    )];
+    for &d in &args.matryoshka {
+        settings.push((
+            format!("first {d} of the layer-normed vector"),
+            tool_vecs
+                .iter()
+                .map(|v| matryoshka_truncate(v, d))
+                .collect(),
+            vecs.iter().map(|v| matryoshka_truncate(v, d)).collect(),
+        ));
+    }
+    println!("\n### Matryoshka prefixes: plain cosine per step\n");
+    let ks: Vec<String> = args.ks.iter().map(|k| format!("recall@{k}")).collect();
+    println!("| vector | part | {} |", ks.join(" | "));
+    println!("|---|---|{}", "---|".repeat(ks.len()));
+    let mut rows = vec![];
+    for (label, tv, qv) in &settings {
+        for (part, pname) in ["tuning part", "held-out part"].into_iter().enumerate() {
+            let mut means = vec![Mean::default(); args.ks.len()];
+            let mut v = 0;
+            for task in tasks {
+                for step in &task.steps {
+                    if usize::from(held_out(&task.id)) == part {
+                        for (ki, &k) in args.ks.iter().enumerate() {
+                            let offer: Vec<String> = top_k(&qv[v], tv, k)
+                                .into_iter()
+                                .map(|i| tools[i].name.clone())
+                                .collect();
+                            means[ki].add(recall(&offer, &step.truth));
+                        }
+                    }
+                    v += 1;
+                }
+            }
+            let cells: Vec<String> = means
+                .iter()
+                .map(|m| format!("{:.3}", m.get().unwrap_or(f64::NAN)))
+                .collect();
+            println!("| {label} | {pname} | {} |", cells.join(" | "));
+            rows.push(json!({"vector": label, "part": pname, "ks": args.ks,
+                "recall_per_step": means.iter().map(Mean::get).collect::<Vec<_>>()}));
+        }
+    }
+    Ok(rows)
 }
 
 #[derive(Default, Clone)]
@@ -203,6 +285,7 @@ fn main() -> Result<()> {
             RouterConfig::default(),
         ),
     ];
+    let matryoshka = matryoshka_check(&args, &embedder, &tools, &tasks, &vecs)?;
     let mut report = Vec::new();
     for (vname, config) in &variants {
         let router = ToolRouter::build(&embedder, tools.clone(), config.clone())?;
@@ -249,7 +332,7 @@ fn main() -> Result<()> {
                         .into_iter()
                         .map(str::to_owned)
                         .collect();
-                    let best = best_servers(&vecs[v], &server_vecs, args.servers);
+                    let best = top_k(&vecs[v], &server_vecs, args.servers);
                     let two = two_level(&flat, &servers.server_of, &best, k);
                     let ranked = Ranked {
                         first: &first,
@@ -327,6 +410,7 @@ fn main() -> Result<()> {
             "steps_split": split_steps,
             "two_level_servers": args.servers,
             "servers": servers.descriptions,
+            "matryoshka": matryoshka,
             "needed_calls_outside_catalog": outside,
             "embedder": args.model.display().to_string(),
             "results": report,

@@ -20,3 +20,4 @@
 pub mod bfcl;
 pub mod multistep;
 pub mod trial;
+pub mod vectors;

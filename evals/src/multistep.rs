@@ -207,18 +207,6 @@ pub fn two_level(
         .collect()
 }
 
-/// The `m` best servers for a query vector: the highest dot products with the servers'
-/// description vectors (all unit length), best first.
-pub fn best_servers(query: &[f32], servers: &[Vec<f32>], m: usize) -> Vec<usize> {
-    let mut scored: Vec<(usize, f32)> = servers
-        .iter()
-        .enumerate()
-        .map(|(i, v)| (i, v.iter().zip(query).map(|(a, b)| a * b).sum()))
-        .collect();
-    scored.sort_by(|a, b| b.1.total_cmp(&a.1));
-    scored.into_iter().take(m).map(|(i, _)| i).collect()
-}
-
 /// Words that start another request inside a sentence.
 const JOINERS: [&str; 7] = [
     " and then ",
@@ -444,12 +432,6 @@ mod tests {
             two_level(&flat, &server_of, &[2, 1], 4),
             s(&["b1", "c1", "b2", "a1"])
         );
-    }
-
-    #[test]
-    fn best_servers_are_the_highest_dot_products() {
-        let servers = vec![vec![1.0, 0.0], vec![0.0, 1.0], vec![0.6, 0.8]];
-        assert_eq!(best_servers(&[0.0, 1.0], &servers, 2), [1, 2]);
     }
 
     #[test]
