@@ -54,6 +54,12 @@ pub(crate) const METRICS: &[Metric] = &[
         decimals: 1,
     },
     Metric {
+        key: "prefill_tok_s_p50",
+        label: "prefill tok/s per request (prompt tokens / TTFT), p50",
+        better: Better::Higher,
+        decimals: 1,
+    },
+    Metric {
         key: "ttft_p50_ms",
         label: "TTFT p50 (ms)",
         better: Better::Lower,
@@ -115,6 +121,16 @@ fn decode_rates(samples: &[&Sample]) -> Vec<f64> {
     samples.iter().filter_map(|s| s.decode_tok_s).collect()
 }
 
+/// Prompt tokens over TTFT, per request that reported its prompt tokens: the prefill rate a
+/// client sees (queueing and the first decode step included).
+fn prefill_rates(samples: &[&Sample]) -> Vec<f64> {
+    samples
+        .iter()
+        .filter(|s| s.ttft_s > 0.0)
+        .filter_map(|s| s.prompt_tokens.map(|n| n as f64 / s.ttft_s))
+        .collect()
+}
+
 fn samples(b: &Batch) -> Vec<&Sample> {
     b.samples.iter().collect()
 }
@@ -124,6 +140,7 @@ fn rep_value(key: &str, b: &Batch) -> Option<f64> {
     match key {
         "total_tok_s" => total_tok_s(b),
         "decode_tok_s_p50" => median(&decode_rates(&samples(b))),
+        "prefill_tok_s_p50" => median(&prefill_rates(&samples(b))),
         "ttft_p50_ms" => median(&ttfts(&samples(b))),
         "itl_p50_ms" => median(&itls(&samples(b))),
         _ => None,
@@ -133,7 +150,7 @@ fn rep_value(key: &str, b: &Batch) -> Option<f64> {
 fn is_per_rep(key: &str) -> bool {
     matches!(
         key,
-        "total_tok_s" | "decode_tok_s_p50" | "ttft_p50_ms" | "itl_p50_ms"
+        "total_tok_s" | "decode_tok_s_p50" | "prefill_tok_s_p50" | "ttft_p50_ms" | "itl_p50_ms"
     )
 }
 
@@ -389,6 +406,23 @@ mod tests {
         assert_eq!(h["total_tok_s"], Some(1.5));
         assert!((h["ttft_p50_ms"].unwrap() - 10.0).abs() < 1e-9);
         assert!((h["itl_p50_ms"].unwrap() - 2.0).abs() < 1e-9);
+    }
+
+    #[test]
+    fn prefill_rate_is_prompt_tokens_over_ttft_and_skips_requests_without_a_count() {
+        let mut unknown = sample(1, 0.5, &[0.1], 2, "y");
+        unknown.prompt_tokens = None;
+        let b = Batch {
+            wall_s: 1.0,
+            foreign: None,
+            // 100 prompt tokens in 0.25 s and in 0.5 s: 400 and 200 tok/s, median 300.
+            samples: vec![
+                sample(0, 0.25, &[0.1], 2, "x"),
+                sample(2, 0.5, &[0.1], 2, "z"),
+                unknown,
+            ],
+        };
+        assert_eq!(rep_value("prefill_tok_s_p50", &b), Some(300.0));
     }
 
     #[test]

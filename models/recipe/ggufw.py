@@ -1,12 +1,15 @@
 """Minimal GGUF v3 writer (numpy only) for the bundled models.
 
-Writes metadata key/values and tensors in F32, F16 or Q8_0. Only what the
-bundled tier models (llama layout) and the embedding model (bert layout) need;
-the format is documented in llama.cpp's `docs/gguf.md`.
+Writes metadata key/values and tensors in F32, F16 or Q8_0, or any type as
+bytes made when the file is written (`add_tensor_bytes`, used by
+`scripts/shape-gguf.py` for its random Q4_0/Q8_0 blocks). Only what the bundled
+tier models (llama layout), the embedding model (bert layout) and the
+benchmark shapes need; the format is documented in llama.cpp's `docs/gguf.md`.
 """
 
 from __future__ import annotations
 
+import mmap
 import struct
 
 import numpy as np
@@ -21,14 +24,36 @@ T_UINT8, T_INT8, T_UINT16, T_INT16, T_UINT32, T_INT32, T_FLOAT32, T_BOOL, T_STRI
 # ggml tensor types.
 GGML_F32 = 0
 GGML_F16 = 1
+GGML_Q4_0 = 2
 GGML_Q8_0 = 8
 
 # llama_ftype values written to general.file_type.
 FTYPE_F32 = 0
 FTYPE_F16 = 1
+FTYPE_Q4_0 = 2
 FTYPE_Q8_0 = 7
 
 QK8_0 = 32
+QK4_0 = 32
+
+# Bytes per block of 32 values: an f16 scale, then 32 int8 (Q8_0) or 32 nibbles (Q4_0).
+BLOCK_BYTES = {GGML_Q8_0: 2 + QK8_0, GGML_Q4_0: 2 + QK4_0 // 2}
+
+
+def tensor_nbytes(shape: tuple[int, ...], ggml_type: int) -> int:
+    """Bytes of a tensor of `shape` (numpy order) stored as `ggml_type`."""
+    n = 1
+    for s in shape:
+        n *= int(s)
+    if ggml_type == GGML_F32:
+        return 4 * n
+    if ggml_type == GGML_F16:
+        return 2 * n
+    if ggml_type in BLOCK_BYTES:
+        if shape[-1] % 32:
+            raise ValueError(f"a quantized row needs a multiple of 32 values, got shape {shape}")
+        return n // 32 * BLOCK_BYTES[ggml_type]
+    raise ValueError(f"unsupported ggml type {ggml_type}")
 
 
 def quantize_q8_0(x: np.ndarray) -> np.ndarray:
@@ -65,7 +90,8 @@ class GGUFWriter:
 
     def __init__(self) -> None:
         self.kv: list[tuple[str, int, object, int | None]] = []
-        self.tensors: list[tuple[str, tuple[int, ...], int, bytes]] = []
+        # (name, shape, ggml type, byte length, bytes or a function returning them)
+        self.tensors: list[tuple[str, tuple[int, ...], int, int, object]] = []
 
     # --- metadata -----------------------------------------------------
     def add(self, key: str, vtype: int, value, elem_type: int | None = None) -> None:
@@ -101,7 +127,16 @@ class GGUFWriter:
             data = quantize_q8_0(array).tobytes()
         else:
             raise ValueError(f"unsupported ggml type {ggml_type}")
-        self.tensors.append((name, shape, ggml_type, data))
+        self.tensors.append((name, shape, ggml_type, len(data), data))
+
+    def add_tensor_bytes(self, name: str, shape: tuple[int, ...], ggml_type: int, produce) -> None:
+        """Add a tensor whose bytes `produce()` returns while the file is written.
+
+        Only one tensor's bytes are in memory at a time, so files larger than memory
+        can be written. `produce()` must return exactly `tensor_nbytes(shape, type)` bytes.
+        """
+        shape = tuple(int(s) for s in shape)
+        self.tensors.append((name, shape, ggml_type, tensor_nbytes(shape, ggml_type), produce))
 
     # --- encoding -----------------------------------------------------
     @staticmethod
@@ -132,20 +167,22 @@ class GGUFWriter:
             else:
                 out += self._scalar(vtype, value)
         offset = 0
-        offsets = []
-        for name, shape, gtype, data in self.tensors:
-            offsets.append(offset)
+        for name, shape, gtype, nbytes, _ in self.tensors:
             ne = list(reversed(shape))
             out += self._str(name) + struct.pack("<I", len(ne))
             out += struct.pack(f"<{len(ne)}Q", *ne)
             out += struct.pack("<IQ", gtype, offset)
-            offset += (len(data) + ALIGNMENT - 1) // ALIGNMENT * ALIGNMENT
+            offset += (nbytes + ALIGNMENT - 1) // ALIGNMENT * ALIGNMENT
         out += b"\0" * ((-len(out)) % ALIGNMENT)
         with open(path, "wb") as f:
             f.write(out)
-            for (_, _, _, data), off in zip(self.tensors, offsets):
+            for name, _, _, nbytes, data in self.tensors:
+                if callable(data):
+                    data = data()
+                if len(data) != nbytes:
+                    raise ValueError(f"tensor {name}: {len(data)} bytes made, {nbytes} expected")
                 f.write(data)
-                f.write(b"\0" * ((-len(data)) % ALIGNMENT))
+                f.write(b"\0" * ((-nbytes) % ALIGNMENT))
 
 
 # ---------------------------------------------------------------------------
@@ -158,6 +195,21 @@ _SCALAR_FMT = {
 }
 
 
+def read_header(path: str) -> tuple[dict, list[tuple[str, tuple[int, ...], int, int]]]:
+    """Metadata and tensor table of a GGUF file, without reading its tensor data.
+
+    Returns (metadata, infos): infos holds (name, numpy shape, ggml type, absolute
+    byte offset of the data) per tensor, in file order.
+    """
+    with open(path, "rb") as f:
+        buf = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        try:
+            meta, infos, _ = _parse_header(path, buf)
+        finally:
+            buf.close()
+    return meta, infos
+
+
 def read_gguf(path: str) -> tuple[dict, dict[str, tuple[np.ndarray, int]]]:
     """Read a GGUF file as written by `GGUFWriter`.
 
@@ -168,6 +220,26 @@ def read_gguf(path: str) -> tuple[dict, dict[str, tuple[np.ndarray, int]]]:
     """
     with open(path, "rb") as f:
         buf = f.read()
+    meta, infos, _ = _parse_header(path, buf)
+    tensors: dict[str, tuple[np.ndarray, int]] = {}
+    for name, shape, gtype, start in infos:
+        n = int(np.prod(shape))
+        if gtype == GGML_F32:
+            arr = np.frombuffer(buf, dtype=np.float32, count=n, offset=start).reshape(shape).copy()
+        elif gtype == GGML_F16:
+            arr = np.frombuffer(buf, dtype=np.float16, count=n, offset=start).astype(np.float32).reshape(shape)
+        elif gtype == GGML_Q8_0:
+            nbytes = n // QK8_0 * (2 + QK8_0)
+            raw = np.frombuffer(buf, dtype=np.uint8, count=nbytes, offset=start)
+            arr = dequantize_q8_0(raw, shape)
+        else:
+            raise ValueError(f"{path}: tensor {name} has unsupported ggml type {gtype}")
+        tensors[name] = (arr, gtype)
+    return meta, tensors
+
+
+def _parse_header(path: str, buf) -> tuple[dict, list[tuple[str, tuple[int, ...], int, int]], int]:
+    """(metadata, tensor infos with absolute offsets, start of the data section)."""
     pos = 0
 
     def take(fmt: str):
@@ -210,19 +282,4 @@ def read_gguf(path: str) -> tuple[dict, dict[str, tuple[np.ndarray, int]]]:
         infos.append((name, tuple(reversed(ne)), gtype, offset))
     align = int(meta.get("general.alignment", ALIGNMENT))
     base = (pos + align - 1) // align * align
-    tensors: dict[str, tuple[np.ndarray, int]] = {}
-    for name, shape, gtype, offset in infos:
-        n = int(np.prod(shape))
-        start = base + offset
-        if gtype == GGML_F32:
-            arr = np.frombuffer(buf, dtype=np.float32, count=n, offset=start).reshape(shape).copy()
-        elif gtype == GGML_F16:
-            arr = np.frombuffer(buf, dtype=np.float16, count=n, offset=start).astype(np.float32).reshape(shape)
-        elif gtype == GGML_Q8_0:
-            nbytes = n // QK8_0 * (2 + QK8_0)
-            raw = np.frombuffer(buf, dtype=np.uint8, count=nbytes, offset=start)
-            arr = dequantize_q8_0(raw, shape)
-        else:
-            raise ValueError(f"{path}: tensor {name} has unsupported ggml type {gtype}")
-        tensors[name] = (arr, gtype)
-    return meta, tensors
+    return meta, [(n, shape, t, base + off) for n, shape, t, off in infos], base

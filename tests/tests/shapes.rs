@@ -1,0 +1,165 @@
+//! Benchmark models in the shape of public architectures (`scripts/shape-gguf.py`): the
+//! file is a function of its arguments, llama.cpp loads it with the architecture's
+//! parameter count, a `mesh up` node decodes exactly the tokens asked with `ignore_eos`, and
+//! bad arguments are refused before anything is written. The tests write the first layer
+//! of the Llama-3.2-1B shape only (the 128256 x 2048 embedding included), to stay quick.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+use std::sync::OnceLock;
+
+use mesh_tests::{root, Node};
+use serde_json::{json, Value};
+
+/// Llama-3.2-1B's published config: vocabulary, width, heads, KV heads, feed-forward width.
+const VOCAB: u64 = 128_256;
+const DIM: u64 = 2048;
+const HEADS: u64 = 32;
+const KV_HEADS: u64 = 8;
+const FFN: u64 = 8192;
+
+fn shape_gguf(args: &[&str]) -> Output {
+    let python = std::env::var("MESH_PYTHON").unwrap_or_else(|_| "python3".into());
+    Command::new(&python)
+        .arg(root().join("scripts/shape-gguf.py"))
+        .args(args)
+        .output()
+        .unwrap_or_else(|e| panic!("{python} does not run: {e}"))
+}
+
+/// Writes one layer of the 1B shape as `qtype` with `seed` into `dir`.
+fn write_1b_layer(dir: &Path, qtype: &str, seed: u32) -> PathBuf {
+    let out = dir.join(format!("1b-1layer-{qtype}-{seed}.gguf"));
+    let o = shape_gguf(&[
+        "--shape",
+        "llama-3.2-1b",
+        "--layers",
+        "1",
+        "--type",
+        qtype,
+        "--seed",
+        &seed.to_string(),
+        "--out",
+        &out.display().to_string(),
+    ]);
+    assert!(
+        o.status.success(),
+        "shape-gguf.py failed (scripts/setup.sh installs numpy; MESH_PYTHON names the Python): {}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+    out
+}
+
+/// One q4_0 file shared by the tests that start a node on it (kept for the test process).
+fn shared_q4() -> &'static Path {
+    static FILE: OnceLock<(tempfile::TempDir, PathBuf)> = OnceLock::new();
+    let (_, p) = FILE.get_or_init(|| {
+        let d = tempfile::tempdir().unwrap();
+        let p = write_1b_layer(d.path(), "q4_0", 7);
+        (d, p)
+    });
+    p
+}
+
+fn up(dir: &Path, model: &Path) -> Node {
+    Node::up(
+        dir,
+        &[
+            "--tier",
+            &format!("t1={}", model.display()),
+            "--threads",
+            "1",
+            "--ctx",
+            "256",
+            "--parallel",
+            "1",
+        ],
+    )
+    .unwrap_or_else(|log| panic!("node did not start:\n{log}"))
+}
+
+fn same_bytes(a: &Path, b: &Path) -> bool {
+    std::fs::read(a).unwrap() == std::fs::read(b).unwrap()
+}
+
+#[test]
+fn the_same_arguments_write_the_same_bytes() {
+    let d = tempfile::tempdir().unwrap();
+    let a = write_1b_layer(d.path(), "q8_0", 3);
+    let b = d.path().join("again.gguf");
+    std::fs::rename(&a, &b).unwrap();
+    let a = write_1b_layer(d.path(), "q8_0", 3);
+    assert!(same_bytes(&a, &b), "two writes with seed 3 differ");
+}
+
+#[test]
+fn another_seed_writes_other_weights() {
+    let d = tempfile::tempdir().unwrap();
+    let a = write_1b_layer(d.path(), "q8_0", 3);
+    let b = write_1b_layer(d.path(), "q8_0", 4);
+    assert_eq!(
+        std::fs::metadata(&a).unwrap().len(),
+        std::fs::metadata(&b).unwrap().len()
+    );
+    assert!(!same_bytes(&a, &b), "seeds 3 and 4 wrote the same file");
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn llama_cpp_counts_the_architectures_parameters() {
+    let d = tempfile::tempdir().unwrap();
+    let node = up(d.path(), shared_q4());
+    let v: Value = reqwest::get(format!("{}/v1/models", node.http))
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    let head = DIM / HEADS;
+    // Tied embedding; one block: q, k, v, output, gate, up, down; two norms per block + final.
+    let block = DIM * DIM * 2 + 2 * KV_HEADS * head * DIM + 3 * FFN * DIM;
+    let expected = VOCAB * DIM + block + 3 * DIM;
+    let t1 = v["data"]
+        .as_array()
+        .and_then(|d| d.iter().find(|m| m["id"] == "t1"));
+    let n = t1.and_then(|m| m["meta"]["n_params"].as_u64());
+    assert_eq!(n, Some(expected), "{v}");
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_node_decodes_exactly_the_tokens_asked_with_ignore_eos() {
+    let d = tempfile::tempdir().unwrap();
+    let node = up(d.path(), shared_q4());
+    let v: Value = reqwest::Client::new()
+        .post(format!("{}/v1/completions", node.http))
+        .json(
+            &json!({"model": "t1", "prompt": "Weather in Oslo?", "max_tokens": 12,
+                      "ignore_eos": true, "temperature": 0}),
+        )
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(v["usage"]["completion_tokens"], 12, "{v}");
+    let text = v["choices"][0]["text"].as_str().unwrap_or_default();
+    assert!(!text.trim().is_empty(), "no text: {v}");
+}
+
+#[test]
+fn a_layer_count_outside_the_shape_is_refused_and_nothing_is_written() {
+    let d = tempfile::tempdir().unwrap();
+    let out = d.path().join("x.gguf");
+    let o = shape_gguf(&[
+        "--shape",
+        "llama-3.2-1b",
+        "--layers",
+        "17",
+        "--out",
+        &out.display().to_string(),
+    ]);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(2), "{err}");
+    assert!(err.contains("--layers must be 1..16"), "{err}");
+    assert!(!out.exists());
+}
