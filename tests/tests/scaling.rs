@@ -1,7 +1,8 @@
 //! Tier scaling across a real 3-node cluster (`mesh join` processes on 127.0.0.1): the
 //! planner starts a replica of t3 on another node when t3's queue time rises and drains it
 //! once load falls, without a failed request; `mesh scale` pins a tier's replicas by hand;
-//! the planner's node hands planning over when it dies.
+//! the planner's node hands planning over when it dies; a replica whose GGUF is missing is
+//! a failed decision, retried until it starts.
 //!
 //! Nodes are named so that `a` plans (the first live name): `a` is the gateway with t1,
 //! `b` runs t3 from its config, `c` has t3's config in standby (`[scaling] standby`).
@@ -13,6 +14,9 @@ use std::time::{Duration, Instant};
 
 use mesh_tests::{certs, member_view, mesh, Node};
 use serde_json::{json, Value};
+
+/// Tokens of the request a draining replica must finish (t3 on one thread takes seconds).
+const LONG: u64 = 1800;
 
 /// A node config with t3's scaling policy (every node gets it; `a`'s is the one used),
 /// and t3 in standby when `standby`.
@@ -68,14 +72,20 @@ async fn runs(c: &reqwest::Client, base: &str, node: &str, tier: &str) -> bool {
 }
 
 async fn start(cooldown_s: u64) -> Cluster {
-    let dir = tempfile::tempdir().unwrap();
+    start_with(tempfile::tempdir().unwrap(), cooldown_s, &[]).await
+}
+
+/// [`start`] in `dir`, with `c_extra` added to c's flags.
+async fn start_with(dir: tempfile::TempDir, cooldown_s: u64, c_extra: &[&str]) -> Cluster {
     let certs = certs(dir.path(), &["a", "b", "c"]);
     let ca = config(dir.path(), "a", false, cooldown_s);
     let cb = config(dir.path(), "b", false, cooldown_s);
     let cc = config(dir.path(), "c", true, cooldown_s);
     let a = Node::start("a", &certs, &[], "t1", &["--config", &ca]).expect("a");
     let b = Node::start("b", &certs, &[&a.quic], "t3", &["--config", &cb]).expect("b");
-    let c = Node::start("c", &certs, &[&a.quic], "t3", &["--config", &cc]).expect("c");
+    let mut c_args = vec!["--config", cc.as_str()];
+    c_args.extend_from_slice(c_extra);
+    let c = Node::start("c", &certs, &[&a.quic], "t3", &c_args).expect("c");
     let http = reqwest::Client::new();
     wait_for(
         "a to see b run t3 and c in standby",
@@ -284,6 +294,64 @@ async fn mesh_scale_refuses_a_count_no_nodes_can_hold() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replica_that_cannot_start_is_reported_and_started_once_its_model_is_back() {
+    // c keeps t3 in standby from its own copy of the GGUF, which goes away once c is up.
+    let dir = tempfile::tempdir().unwrap();
+    let gguf = dir.path().join("t3-copy.gguf");
+    std::fs::copy(mesh_tests::root().join("models/t3-q8_0.gguf"), &gguf).unwrap();
+    let tier = format!("t3={}", gguf.display());
+    let cl = start_with(dir, 3600, &["--tier", &tier]).await;
+    let hidden = gguf.with_extension("away");
+    std::fs::rename(&gguf, &hidden).unwrap();
+    let http = reqwest::Client::new();
+    let out = mesh(&["scale", "t3", "--replicas", "2", "--gateway", &cl.a.http]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let failed = |s: &Value| {
+        s["decisions"].as_array().and_then(|d| {
+            d.iter()
+                .find(|d| d["tier"] == "t3" && d["action"] == "start" && d["outcome"] != "ok")
+                .cloned()
+        })
+    };
+    wait_for(
+        "a failed start of t3 on c",
+        Duration::from_secs(30),
+        async || failed(&scale_status(&http, &cl.a.http).await).is_some(),
+    )
+    .await;
+    let d = failed(&scale_status(&http, &cl.a.http).await).unwrap();
+    assert_eq!(d["node"], "c", "{d}");
+    let why = d["outcome"].as_str().unwrap_or_default();
+    assert!(
+        why.contains("t3-copy.gguf") && why.contains("file not found"),
+        "{d}"
+    );
+    assert!(!runs(&http, &cl.a.http, "c", "t3").await);
+    // t3 still answers, from b.
+    let r: Value = http
+        .post(format!("{}/v1/chat/completions", cl.a.http))
+        .json(&json!({"model": "t3", "max_tokens": 8,
+            "messages": [{"role": "user", "content": "Name a colour."}]}))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert!(r["choices"][0]["message"].is_object(), "{r}");
+    // The pin stands: once the file is back, the next try starts the replica.
+    std::fs::rename(&hidden, &gguf).unwrap();
+    wait_for("t3 on c", Duration::from_secs(30), async || {
+        runs(&http, &cl.a.http, "c", "t3").await
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn planning_moves_to_the_next_node_when_the_planner_dies() {
     let mut cl = start(3600).await;
     let http = reqwest::Client::new();
@@ -309,7 +377,8 @@ async fn planning_moves_to_the_next_node_when_the_planner_dies() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_draining_replica_finishes_the_request_it_is_running() {
-    let cl = start(3600).await;
+    // c gets 2048 cells per sequence, so its request outlasts the drain on an idle machine.
+    let cl = start_with(tempfile::tempdir().unwrap(), 3600, &["--ctx", "8192"]).await;
     let http = reqwest::Client::new();
     let out = mesh(&["scale", "t3", "--replicas", "2", "--gateway", &cl.a.http]);
     assert!(
@@ -324,7 +393,7 @@ async fn a_draining_replica_finishes_the_request_it_is_running() {
     // A long request on c's own replica (a gateway prefers its local engine).
     let url = format!("{}/v1/chat/completions", cl.c.http);
     let long = tokio::spawn(async move {
-        let body = json!({"model": "t3", "max_tokens": 400, "ignore_eos": true,
+        let body = json!({"model": "t3", "max_tokens": LONG, "ignore_eos": true,
             "messages": [{"role": "user", "content": "Tell a long story."}]});
         let r = reqwest::Client::new()
             .post(&url)
@@ -364,6 +433,6 @@ async fn a_draining_replica_finishes_the_request_it_is_running() {
     );
     let (status, v) = long.await.unwrap();
     assert!(status.is_success(), "{v}");
-    assert_eq!(v["usage"]["completion_tokens"], 400, "{v}");
+    assert_eq!(v["usage"]["completion_tokens"], LONG, "{v}");
     drop(cl.b);
 }
