@@ -289,6 +289,23 @@ impl Drop for Node {
     }
 }
 
+/// `POST url` with the JSON `body`; the answer's JSON (panics when there is no answer or it
+/// is not JSON, whatever the status: tests assert on the body).
+pub async fn post_json(
+    c: &reqwest::Client,
+    url: &str,
+    body: &serde_json::Value,
+) -> serde_json::Value {
+    c.post(url)
+        .json(body)
+        .send()
+        .await
+        .unwrap_or_else(|e| panic!("POST {url}: {e}"))
+        .json()
+        .await
+        .unwrap_or_else(|e| panic!("POST {url}: the answer is not JSON: {e}"))
+}
+
 /// `GET BASE/v1/cluster`: the membership table as that node sees it (`Null` when it does not
 /// answer).
 pub async fn cluster_view(c: &reqwest::Client, base: &str) -> serde_json::Value {

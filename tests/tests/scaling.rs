@@ -12,7 +12,7 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use mesh_tests::{certs, member_view, mesh, Node};
+use mesh_tests::{certs, member_view, mesh, post_json, Node};
 use serde_json::{json, Value};
 
 /// Tokens of the request a draining replica must finish (t3 on one thread takes seconds).
@@ -332,16 +332,9 @@ async fn a_replica_that_cannot_start_is_reported_and_started_once_its_model_is_b
     );
     assert!(!runs(&http, &cl.a.http, "c", "t3").await);
     // t3 still answers, from b.
-    let r: Value = http
-        .post(format!("{}/v1/chat/completions", cl.a.http))
-        .json(&json!({"model": "t3", "max_tokens": 8,
-            "messages": [{"role": "user", "content": "Name a colour."}]}))
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let body = json!({"model": "t3", "max_tokens": 8,
+        "messages": [{"role": "user", "content": "Name a colour."}]});
+    let r = post_json(&http, &format!("{}/v1/chat/completions", cl.a.http), &body).await;
     assert!(r["choices"][0]["message"].is_object(), "{r}");
     // The pin stands: once the file is back, the next try starts the replica.
     std::fs::rename(&hidden, &gguf).unwrap();

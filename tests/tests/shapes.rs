@@ -8,7 +8,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 use std::sync::OnceLock;
 
-use mesh_tests::{root, Node};
+use mesh_tests::{post_json, root, Node};
 use serde_json::{json, Value};
 
 /// Llama-3.2-1B's published config: vocabulary, width, heads, KV heads, feed-forward width.
@@ -129,18 +129,10 @@ async fn llama_cpp_counts_the_architectures_parameters() {
 async fn a_node_decodes_exactly_the_tokens_asked_with_ignore_eos() {
     let d = tempfile::tempdir().unwrap();
     let node = up(d.path(), shared_q4());
-    let v: Value = reqwest::Client::new()
-        .post(format!("{}/v1/completions", node.http))
-        .json(
-            &json!({"model": "t1", "prompt": "Weather in Oslo?", "max_tokens": 12,
-                      "ignore_eos": true, "temperature": 0}),
-        )
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let body = json!({"model": "t1", "prompt": "Weather in Oslo?", "max_tokens": 12,
+                      "ignore_eos": true, "temperature": 0});
+    let url = format!("{}/v1/completions", node.http);
+    let v = post_json(&reqwest::Client::new(), &url, &body).await;
     assert_eq!(v["usage"]["completion_tokens"], 12, "{v}");
     let text = v["choices"][0]["text"].as_str().unwrap_or_default();
     assert!(!text.trim().is_empty(), "no text: {v}");
