@@ -322,11 +322,8 @@ struct Plan {
 
 /// A number in [0, 1) from `(a, b)` (splitmix64), for the plans' jitter. Pure.
 fn unit(a: u64, b: u64) -> f64 {
-    let mut z = a.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ b.wrapping_add(0x632B_E59B_D9B4_E019);
-    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-    z ^= z >> 31;
-    (z >> 11) as f64 / (1u64 << 53) as f64
+    let z = a.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ b.wrapping_add(0x632B_E59B_D9B4_E019);
+    (workload::splitmix64_mix(z) >> 11) as f64 / (1u64 << 53) as f64
 }
 
 /// Session plans: session k arrives at `k / rate`, takes group `k % groups`.

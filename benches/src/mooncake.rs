@@ -78,11 +78,8 @@ fn block_tokens(hash: u64, n: usize) -> Vec<i32> {
     // splitmix64 over (hash, i): ordinary vocabulary ids, clear of the special tokens.
     (0..n as u64)
         .map(|i| {
-            let mut z = hash.wrapping_mul(0x9E37_79B9_7F4A_7C15).wrapping_add(i + 1);
-            z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-            z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-            z ^= z >> 31;
-            100 + (z % 2900) as i32
+            let z = hash.wrapping_mul(0x9E37_79B9_7F4A_7C15).wrapping_add(i + 1);
+            100 + (crate::workload::splitmix64_mix(z) % 2900) as i32
         })
         .collect()
 }
