@@ -10,6 +10,9 @@
 #   MESH_LLAMA_SERVER_JOBS   parallel build jobs (default 2)
 #   MESH_LLAMA_SDIST         path to a llama_cpp_python-0.3.36.tar.gz to use
 #                            instead of downloading one
+#   MESH_LLAMA_SERVER_CUDA   1: build with CUDA (needs nvcc) into .cache/llama-server-cuda,
+#                            for the GPU side-by-side (docs/gpu.md)
+#   MESH_CUDA_ARCH           CUDA architectures for that build (default 90: H100/H200)
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -21,7 +24,13 @@ SDIST_SHA256="832db0699007f1be95a7e41ef12e88926b02ba836461e36a36372db2760c1a2e"
 SRC_DIR="$ROOT/.cache/src"
 SDIST="$SRC_DIR/$SDIST_NAME"
 TREE="$SRC_DIR/llama_cpp_python-${VERSION_PIN}/vendor/llama.cpp"
-OUT_DIR="$ROOT/.cache/llama-server"
+CUDA="${MESH_LLAMA_SERVER_CUDA:-0}"
+CUDA_ARCH="${MESH_CUDA_ARCH:-90}"
+if [[ "$CUDA" == 1 ]]; then
+    OUT_DIR="$ROOT/.cache/llama-server-cuda"
+else
+    OUT_DIR="$ROOT/.cache/llama-server"
+fi
 BUILD_DIR="$OUT_DIR/build"
 BIN="$OUT_DIR/bin/llama-server"
 JOBS="${MESH_LLAMA_SERVER_JOBS:-2}"
@@ -37,6 +46,12 @@ write_version() {
 
 # Bump when the cmake flags below change, so a cached binary built differently is rebuilt.
 FLAGS_STAMP="cpu:avx2-fma-f16c-bmi2,native-off"
+CUDA_FLAGS=()
+if [[ "$CUDA" == 1 ]]; then
+    command -v nvcc >/dev/null 2>&1 || die "MESH_LLAMA_SERVER_CUDA=1 needs nvcc (the CUDA toolkit) on PATH"
+    FLAGS_STAMP="$FLAGS_STAMP,cuda:$CUDA_ARCH"
+    CUDA_FLAGS=(-DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES="$CUDA_ARCH")
+fi
 if [[ -x "$BIN" && "$(cat "$OUT_DIR/FLAGS" 2>/dev/null)" == "$FLAGS_STAMP" ]]; then
     [[ -s "$OUT_DIR/VERSION" ]] || write_version
     say "cached: $BIN ($(grep -m1 -i version "$OUT_DIR/VERSION" || echo 'version unknown'))"
@@ -47,9 +62,11 @@ for tool in cmake c++ tar; do
     command -v "$tool" >/dev/null 2>&1 || die "'$tool' not found (run scripts/setup.sh first)"
 done
 
-# 1. The sdist.
+# 1. The sdist (not needed when its llama.cpp tree is unpacked already).
 mkdir -p "$SRC_DIR"
-if [[ ! -s "$SDIST" ]]; then
+if [[ -f "$TREE/CMakeLists.txt" ]]; then
+    say "using the unpacked tree ${TREE#"$ROOT"/}"
+elif [[ ! -s "$SDIST" ]]; then
     local_copy="${MESH_LLAMA_SDIST:-/tmp/dl/$SDIST_NAME}"
     if [[ -s "$local_copy" ]]; then
         say "using local sdist $local_copy"
@@ -72,10 +89,12 @@ if [[ ! -s "$SDIST" ]]; then
     fi
 fi
 
-got_sha="$(sha256sum "$SDIST" | cut -d' ' -f1)"
-if [[ "$got_sha" != "$SDIST_SHA256" ]]; then
-    rm -f "$SDIST"
-    die "sdist sha256 $got_sha is not the expected $SDIST_SHA256 (removed; run again to download)"
+if [[ ! -f "$TREE/CMakeLists.txt" ]]; then
+    got_sha="$(sha256sum "$SDIST" | cut -d' ' -f1)"
+    if [[ "$got_sha" != "$SDIST_SHA256" ]]; then
+        rm -f "$SDIST"
+        die "sdist sha256 $got_sha is not the expected $SDIST_SHA256 (removed; run again to download)"
+    fi
 fi
 
 # 2. The llama.cpp tree (only vendor/llama.cpp is unpacked).
@@ -102,7 +121,8 @@ cmake -S "$TREE" -B "$BUILD_DIR" \
     -DLLAMA_CURL=OFF \
     -DGGML_NATIVE=OFF -DGGML_SSE42=ON -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON \
     -DGGML_F16C=ON -DGGML_BMI2=ON -DGGML_AVX512=OFF \
-    -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF >"$OUT_DIR/cmake-configure.log" 2>&1 \
+    -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF \
+    "${CUDA_FLAGS[@]}" >"$OUT_DIR/cmake-configure.log" 2>&1 \
     || { tail -n 30 "$OUT_DIR/cmake-configure.log" >&2; die "cmake configure failed (log: $OUT_DIR/cmake-configure.log)"; }
 
 say "building target llama-server with -j${JOBS} (about 7 minutes on 2 cores)"

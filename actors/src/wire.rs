@@ -67,6 +67,21 @@ pub struct Capacity {
     pub loadable: Vec<LoadableTier>,
     /// Running tiers it started on request (a planner's), not from its own config.
     pub on_request: Vec<String>,
+    /// GPUs llama.cpp has on the node (none without a GPU backend module).
+    pub gpus: Vec<GpuAdvert>,
+}
+
+/// A GPU of a node, with its memory when the heartbeat was sent.
+#[derive(Archive, Serialize, Deserialize, Debug, Clone, PartialEq)]
+pub struct GpuAdvert {
+    /// Device name, e.g. `CUDA0`.
+    pub name: String,
+    /// Description, e.g. `NVIDIA H200`.
+    pub description: String,
+    /// Total memory in bytes.
+    pub memory_total: u64,
+    /// Free memory in bytes.
+    pub memory_free: u64,
 }
 
 /// Where a peer listens.

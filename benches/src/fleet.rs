@@ -657,6 +657,7 @@ async fn wait_cluster(
 const COUNTERS: &[&str] = &[
     "mesh_kv_recompute_avoided_tokens_total",
     "mesh_kv_resident_tokens_total",
+    "mesh_kv_device_copy_tokens_total",
     "mesh_kv_pages_fetched_from_peers_total",
     "mesh_kv_peer_fetch_bytes_total",
     "mesh_request_reruns_total",
@@ -723,7 +724,10 @@ fn summarize(
     let prompt_tokens: usize = ok.iter().filter_map(|r| r.prompt_tokens).sum();
     let get = |k: &str| delta.get(k).and_then(Value::as_f64);
     let reused = get("mesh_kv_recompute_avoided_tokens_total")
-        .map(|p| p + get("mesh_kv_resident_tokens_total").unwrap_or(0.0))
+        .map(|p| {
+            p + get("mesh_kv_resident_tokens_total").unwrap_or(0.0)
+                + get("mesh_kv_device_copy_tokens_total").unwrap_or(0.0)
+        })
         .or_else(|| get("llamacpp:prompt_tokens_cached_total"))
         .or_else(|| {
             get("llamacpp:prompt_tokens_total").map(|e| (prompt_tokens as f64 - e).max(0.0))

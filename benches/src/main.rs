@@ -17,6 +17,7 @@ mod decode;
 mod fabric;
 mod fleet;
 mod gguf;
+mod levels;
 mod machine;
 mod mooncake;
 mod page;
@@ -54,6 +55,9 @@ enum Command {
     Prefix(prefix::PrefixArgs),
     /// Time to first token when a prompt's prefix lives on a peer node vs recomputed.
     Fabric(fabric::FabricArgs),
+    /// Time to first token of a long shared prefix by the KV level that serves it (device
+    /// kept or copied, host RAM, disk) vs recomputed, on one node.
+    Levels(levels::LevelsArgs),
     /// Replay of a Mooncake-format trace (scaled), mesh vs llama-server.
     Mooncake(mooncake::MooncakeArgs),
     /// Multi-turn agent sessions, each turn sending the whole conversation so far: TTFT per
@@ -80,6 +84,7 @@ async fn main() -> anyhow::Result<()> {
         Command::Transport(args) => transport::run(args).await,
         Command::Prefix(args) => prefix::run(args).await,
         Command::Fabric(args) => fabric::run(args).await,
+        Command::Levels(args) => levels::run(args).await,
         Command::Mooncake(args) => mooncake::run(args).await,
         Command::Sessions(args) => sessions::run(args).await,
         Command::Soak(args) => soak::run(args).await,

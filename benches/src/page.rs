@@ -254,7 +254,7 @@ pub(crate) fn page(
                 md.push_str(&report::table(&crate::sessions::rows(&j["summary"])));
                 let c = &j["checks"];
                 md.push_str(&format!(
-                    "\nNot evaluated: mesh = prompt tokens restored from KV pages or reused in place from a slot's kept KV (`mesh_kv_recompute_avoided_tokens_total` + `mesh_kv_resident_tokens_total`); llama-server = prompt tokens reused from its slot prompt cache (`llamacpp:prompt_tokens_cached_total`, equal to the prompt tokens sent minus `llamacpp:prompt_tokens_total`, the tokens it evaluated). {} of {} turn prompts were identical on both targets (they differ once the two servers' greedy replies differ).\n\n",
+                    "\nNot evaluated: mesh = prompt tokens restored from KV pages or reused in place from a slot's kept KV or copied from a running sequence's (`mesh_kv_recompute_avoided_tokens_total` + `mesh_kv_resident_tokens_total` + `mesh_kv_device_copy_tokens_total`); llama-server = prompt tokens reused from its slot prompt cache (`llamacpp:prompt_tokens_cached_total`, equal to the prompt tokens sent minus `llamacpp:prompt_tokens_total`, the tokens it evaluated). {} of {} turn prompts were identical on both targets (they differ once the two servers' greedy replies differ).\n\n",
                     c["identical_prompts"], c["turns_compared"],
                 ));
                 md.push_str(&contention(j));

@@ -58,7 +58,9 @@ const CITIES: &[&str] = &[
     "Seville", "Tbilisi", "Halifax", "Accra", "Kraków", "Bergen",
 ];
 
-fn shared_prefix(catalog: &[Value], rep: usize, n: usize) -> String {
+/// The shared prefix of repetition `rep`: a system turn with `n` tool schemas from the
+/// catalog, starting at entry `37 rep` (mod its length).
+pub(crate) fn shared_prefix(catalog: &[Value], rep: usize, n: usize) -> String {
     let start = (rep * 37) % catalog.len();
     let mut out = String::from("<|system|>You are a helpful agent. Call a tool when one fits the request, otherwise answer directly.\n<tools>\n");
     for j in 0..n {

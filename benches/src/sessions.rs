@@ -16,7 +16,8 @@
 //! Measured per turn index: TTFT (median over sessions and repetitions) and prompt tokens; per
 //! repetition: the wall time of the whole batch of sessions, prompt tokens sent, and how many
 //! of them each server did not have to evaluate (mesh: `mesh_kv_recompute_avoided_tokens_total`
-//! + `mesh_kv_resident_tokens_total`, restored from KV pages or kept in the slot; llama-server: `llamacpp:prompt_tokens_cached_total`, reused from its
+//! + `mesh_kv_resident_tokens_total` + `mesh_kv_device_copy_tokens_total`, restored from KV
+//! pages, kept in the slot or copied from a running sequence; llama-server: `llamacpp:prompt_tokens_cached_total`, reused from its
 //! prompt cache), from `/metrics` before and after.
 
 use std::path::PathBuf;
@@ -209,6 +210,7 @@ async fn run_sessions(
 const COUNTERS: &[&str] = &[
     "mesh_kv_recompute_avoided_tokens_total",
     "mesh_kv_resident_tokens_total",
+    "mesh_kv_device_copy_tokens_total",
     "mesh_kv_prefix_hits_total",
     "mesh_kv_prefix_lookups_total",
     "mesh_kv_pages_published_total",
@@ -232,13 +234,16 @@ fn delta(before: &Map<String, Value>, after: &Map<String, Value>) -> Map<String,
 }
 
 /// Prompt tokens a target did not evaluate in a batch, from its counter deltas: mesh's
-/// tokens restored from pages plus those reused in place from a slot's kept KV; llama-server's tokens reused from its prompt cache (or, from a
+/// tokens restored from pages plus those reused in place from a slot's kept KV or copied from
+/// a running sequence's; llama-server's tokens reused from its prompt cache (or, from a
 /// build without that counter, the tokens sent minus the tokens it evaluated).
 fn reused_tokens(target: usize, d: &Map<String, Value>, prompt_tokens: usize) -> Option<f64> {
     let get = |k: &str| d.get(k).and_then(Value::as_f64);
     match target {
-        0 => get("mesh_kv_recompute_avoided_tokens_total")
-            .map(|p| p + get("mesh_kv_resident_tokens_total").unwrap_or(0.0)),
+        0 => get("mesh_kv_recompute_avoided_tokens_total").map(|p| {
+            p + get("mesh_kv_resident_tokens_total").unwrap_or(0.0)
+                + get("mesh_kv_device_copy_tokens_total").unwrap_or(0.0)
+        }),
         _ => get("llamacpp:prompt_tokens_cached_total").or_else(|| {
             get("llamacpp:prompt_tokens_total").map(|e| (prompt_tokens as f64 - e).max(0.0))
         }),
@@ -506,7 +511,7 @@ pub(crate) fn markdown(j: &Value) -> String {
     out.push_str(&report::table(&rows(&j["summary"])));
     out.push_str(&format!(
         "\nRatio = mesh / llama-server. Per-turn values: median over all sessions and repetitions; whole-batch values: median over repetitions, with the ratio of each back-to-back repetition pair. \
-         Not evaluated: mesh = prompt tokens restored from KV pages or reused in place from a slot's kept KV (`mesh_kv_recompute_avoided_tokens_total` + `mesh_kv_resident_tokens_total`); llama-server = prompt tokens reused from its slot prompt cache (`llamacpp:prompt_tokens_cached_total`).\n\n\
+         Not evaluated: mesh = prompt tokens restored from KV pages or reused in place from a slot's kept KV or copied from a running sequence's (`mesh_kv_recompute_avoided_tokens_total` + `mesh_kv_resident_tokens_total` + `mesh_kv_device_copy_tokens_total`); llama-server = prompt tokens reused from its slot prompt cache (`llamacpp:prompt_tokens_cached_total`).\n\n\
          - {} concurrent sessions × {} turns, {} tool schemas per system prompt, {} tokens per reply (ignore_eos, temperature 0, streaming), {} repetitions per target after one warm-up, order alternating\n",
         st["sessions"], st["turns"], st["tools_per_session"], st["max_tokens"], st["reps"],
     ));

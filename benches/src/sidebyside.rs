@@ -50,6 +50,10 @@ pub(crate) struct ServerArgs {
     /// Extra `mesh up` argument (repeatable), e.g. `--mesh-arg=--no-keep-resident`.
     #[arg(long = "mesh-arg", value_name = "ARG", allow_hyphen_values = true)]
     pub(crate) mesh_extra: Vec<String>,
+    /// Extra llama-server argument (repeatable), e.g. `--llama-arg=-ngl --llama-arg=999` for
+    /// a CUDA build (pair it with `--mesh-arg=--gpu-layers --mesh-arg=all`).
+    #[arg(long = "llama-arg", value_name = "ARG", allow_hyphen_values = true)]
+    pub(crate) llama_extra: Vec<String>,
     /// Give llama-server one unified KV buffer as mesh has (default: its per-slot buffers).
     #[arg(long)]
     pub(crate) llama_kv_unified: bool,
@@ -147,6 +151,7 @@ impl ServerArgs {
             }
             .into(),
         );
+        v.extend_from_slice(&self.llama_extra);
         v
     }
 

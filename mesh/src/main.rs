@@ -365,14 +365,23 @@ struct UpArgs {
     /// that one fits beside every running sequence's token.
     #[arg(long)]
     batch: Option<u32>,
+    /// Layers per tier on the GPU when llama.cpp has one: `all` (default) or a count; 0 keeps
+    /// the tiers on the CPU. No effect without a GPU backend module (docs/gpu.md).
+    #[arg(long, value_name = "N|all", value_parser = parse_gpu_layers)]
+    gpu_layers: Option<mesh_tiers::GpuLayers>,
     /// Folder for the KV page disk tier (one subfolder per tier); pages survive restarts.
     #[arg(long)]
     kv_dir: Option<PathBuf>,
     /// Tokens per KV page (0 turns prefix pages off).
     #[arg(long)]
     kv_block: Option<usize>,
-    /// Do not keep a finished sequence's KV in its slot for the next request
-    /// (`keep_resident = false`): every prompt then restores from pages or prefills.
+    /// Host RAM for each tier's KV pages, in MiB (default 256; least recently used pages
+    /// move to the disk tier or go when it is full).
+    #[arg(long, value_name = "MIB")]
+    kv_ram_mib: Option<u64>,
+    /// Do not keep KV on the tier's device between sequences (`keep_resident = false`): no
+    /// finished sequence's KV kept in its slot for the next request, no copy of a running
+    /// sequence's prefix; every prompt then restores from pages or prefills.
     #[arg(long)]
     no_keep_resident: bool,
     /// Serve `POST /v1/debug/crash`, which crashes one of the node's actors, for failure
@@ -388,6 +397,10 @@ struct UpArgs {
     /// start: anyone who reaches it could change its policy and run its tools.
     #[arg(long)]
     insecure_no_auth: bool,
+}
+
+fn parse_gpu_layers(s: &str) -> Result<mesh_tiers::GpuLayers, String> {
+    mesh_tiers::GpuLayers::parse(s)
 }
 
 fn node_config(a: &UpArgs) -> anyhow::Result<NodeConfig> {
@@ -439,6 +452,9 @@ fn node_config(a: &UpArgs) -> anyhow::Result<NodeConfig> {
         if let Some(c) = a.ctx {
             t.n_ctx = c;
         }
+        if let Some(g) = a.gpu_layers {
+            t.gpu_layers = g;
+        }
         if let Some(p) = a.parallel {
             t.n_seq_max = p;
         }
@@ -451,6 +467,9 @@ fn node_config(a: &UpArgs) -> anyhow::Result<NodeConfig> {
         }
         if let Some(b) = a.kv_block {
             t.kv_pages.block = b;
+        }
+        if let Some(m) = a.kv_ram_mib {
+            t.kv_pages.ram_bytes = m << 20;
         }
         if a.no_keep_resident {
             t.keep_resident = false;
@@ -710,6 +729,16 @@ async fn status(a: &StatusArgs) -> anyhow::Result<()> {
                 tiers.join(" ")
             }
         );
+        let gib = |v: &serde_json::Value| v.as_u64().unwrap_or(0) as f64 / (1u64 << 30) as f64;
+        for g in m["capacity"]["gpus"].as_array().into_iter().flatten() {
+            println!(
+                "  {} {}  {:.1} GiB ({:.1} GiB free)",
+                g["name"].as_str().unwrap_or("?"),
+                g["description"].as_str().unwrap_or(""),
+                gib(&g["memory_total"]),
+                gib(&g["memory_free"])
+            );
+        }
     }
     if let Ok(plan) =
         serde_json::from_value::<mesh_control::placement::PlacementPlan>(v["placement"].clone())
@@ -749,11 +778,20 @@ fn topology(a: &TopologyArgs) -> anyhow::Result<()> {
     }
     let topo = mesh_control::topology::Topology::detect();
     let plan = mesh::node::placement::plan_for(&topo, &cfg.tiers);
+    let gpus = mesh_tiers::gpu::gpus();
+    let modules = mesh_tiers::gpu::load_modules();
     if a.json {
-        let v = serde_json::json!({"topology": topo, "placement": plan});
+        let v = serde_json::json!({"topology": topo, "placement": plan, "gpus": gpus,
+            "backend_modules": modules});
         println!("{}", serde_json::to_string_pretty(&v)?);
     } else {
         print!("{}", topo.render());
+        print!("{}", mesh_tiers::gpu::render(&gpus));
+        for m in modules.iter().filter(|m| m.outcome.is_err()) {
+            if let Err(e) = &m.outcome {
+                println!("gpu module {} not loaded: {e}", m.path.display());
+            }
+        }
         let far = mesh::node::farmem::apply(&topo, &mut cfg.tiers.clone());
         println!("kv far     {}", far.render());
         println!();

@@ -652,7 +652,7 @@ impl Collector for NodeCollector {
             .collect();
         hw.sort_by(|a, b| a.0.cmp(&b.0));
         // KV kept in slots between requests, and grammar refusals (every tier).
-        let resident_counters: [(&str, &str, Stat); 3] = [
+        let resident_counters: [(&str, &str, Stat); 5] = [
             (
                 "grammar_refusals",
                 "Greedy tokens whose free choice the request's grammar refused (chosen again from the masked vocabulary)",
@@ -667,6 +667,16 @@ impl Collector for NodeCollector {
                 "kv_resident_tokens",
                 "Prompt tokens reused in place from a slot's kept KV instead of prefilled",
                 |s| s.resident_tokens.load(Relaxed),
+            ),
+            (
+                "kv_device_copies",
+                "Requests whose prompt prefix was copied from another running sequence's KV on the tier's device",
+                |s| s.device_copies.load(Relaxed),
+            ),
+            (
+                "kv_device_copy_tokens",
+                "Prompt tokens copied from another running sequence's KV on the tier's device instead of restored or prefilled",
+                |s| s.device_copy_tokens.load(Relaxed),
             ),
         ];
         for (name, help, get) in resident_counters {

@@ -373,3 +373,17 @@ pub async fn greedy_reply(http: &str) -> String {
         .unwrap_or_else(|| panic!("no text: {v}"))
         .to_owned()
 }
+
+/// Sum of every series of Prometheus metric `name` (all label sets) on `http`'s `/metrics`.
+pub async fn metric_total(http: &str, name: &str) -> f64 {
+    let text = reqwest::get(format!("{http}/metrics"))
+        .await
+        .expect("GET /metrics")
+        .text()
+        .await
+        .expect("metrics text");
+    text.lines()
+        .filter(|l| l.split(['{', ' ']).next() == Some(name))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum()
+}

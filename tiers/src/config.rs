@@ -52,12 +52,21 @@ pub struct EngineConfig {
     /// A finished sequence's KV stays in its slot (prompt and answer) and the next request
     /// whose prompt starts with the same tokens reuses it in place, as llama-server's
     /// prompt cache does: the next turn of a conversation prefills only what is new. Free
-    /// slots are handed out by longest match, then least recently used. Pages are still
-    /// restored when they cover more of the prompt. Needs one KV stream per sequence
-    /// (ignored with `kv_unified`, where kept cells would crowd out other sequences).
+    /// slots are handed out by longest match, then least recently used. A request whose
+    /// prompt starts like one a running sequence has already prefilled copies that KV on the
+    /// device (`llama_memory_seq_cp`) instead. Pages are still restored when they cover more
+    /// of the prompt. Needs one KV stream per sequence (ignored with `kv_unified`, where
+    /// kept cells would crowd out other sequences).
     pub keep_resident: bool,
     /// Prefix KV pages: reuse the KV of prompt prefixes seen before.
     pub kv_pages: KvPagesConfig,
+    /// Layers (and their KV) offloaded to a GPU when llama.cpp has one (a backend module was
+    /// loaded, see [`crate::gpu`]): `"all"` (the default, as llama-server's) or a count; 0
+    /// keeps the tier on the CPU. Without a GPU the tier runs on the CPU whatever this says.
+    pub gpu_layers: GpuLayers,
+    /// The GPU the tier runs on (0 = the first GPU). Unset: llama.cpp splits the layers over
+    /// every GPU. A number past the last GPU is refused when the tier starts.
+    pub gpu: Option<usize>,
     /// Speculative decoding: a draft model proposes tokens that this engine verifies in one
     /// batch (every request: greedy, sampled and grammar-constrained). `draft = "PATH"` is short for
     /// `[draft] model = "PATH"`; a node config also takes another tier's name.
@@ -217,6 +226,54 @@ impl Default for DraftConfig {
     }
 }
 
+/// How many of a model's layers go to the GPU: `"all"` or a count in a config file.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum GpuLayers {
+    /// Every layer and the output layer (llama.cpp's default).
+    #[default]
+    All,
+    /// The last `n` repeating layers (llama.cpp's `-ngl n`; more than the model has also takes
+    /// the output layer); 0 keeps the model on the CPU.
+    Count(u32),
+}
+
+impl GpuLayers {
+    /// `all` or a count.
+    pub fn parse(s: &str) -> Result<Self, String> {
+        match s.trim() {
+            "all" => Ok(Self::All),
+            n => n
+                .parse()
+                .map(Self::Count)
+                .map_err(|_| format!("gpu layers: `{s}` is neither `all` nor a count")),
+        }
+    }
+}
+
+impl Serialize for GpuLayers {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        match self {
+            Self::All => s.serialize_str("all"),
+            Self::Count(n) => s.serialize_u32(*n),
+        }
+    }
+}
+
+impl<'de> Deserialize<'de> for GpuLayers {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        #[derive(Deserialize)]
+        #[serde(untagged)]
+        enum Form {
+            Count(u32),
+            Text(String),
+        }
+        match Form::deserialize(d)? {
+            Form::Count(n) => Ok(Self::Count(n)),
+            Form::Text(t) => Self::parse(&t).map_err(serde::de::Error::custom),
+        }
+    }
+}
+
 fn draft_or_path<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Option<DraftConfig>, D::Error> {
     #[derive(Deserialize)]
     #[serde(untagged)]
@@ -249,6 +306,8 @@ impl Default for EngineConfig {
             kv_unified: false,
             keep_resident: true,
             kv_pages: KvPagesConfig::default(),
+            gpu_layers: GpuLayers::All,
+            gpu: None,
             draft: None,
             thread_setup: ThreadSetup::default(),
             kv_far_memory: None,

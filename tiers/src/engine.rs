@@ -62,7 +62,22 @@ pub fn backend() -> &'static LlamaBackend {
         if std::env::var("MESH_LLAMA_LOGS").as_deref() != Ok("1") {
             b.void_logs();
         }
-        info!(features = %system_info(), "llama.cpp backend");
+        let loaded = crate::gpu::load_modules()
+            .iter()
+            .filter(|m| m.outcome.is_ok())
+            .count();
+        let gpus: Vec<String> = llama_cpp_2::list_llama_ggml_backend_devices()
+            .into_iter()
+            .filter(|d| {
+                matches!(
+                    d.device_type,
+                    llama_cpp_2::LlamaBackendDeviceType::Gpu
+                        | llama_cpp_2::LlamaBackendDeviceType::IntegratedGpu
+                )
+            })
+            .map(|d| format!("{} ({})", d.name, d.description))
+            .collect();
+        info!(features = %system_info(), modules = loaded, gpus = ?gpus, "llama.cpp backend");
         b
     })
 }
@@ -112,6 +127,11 @@ pub struct EngineStats {
     pub resident_hits: AtomicU64,
     /// Prompt tokens reused in place from a slot's kept KV instead of prefilled.
     pub resident_tokens: AtomicU64,
+    /// Requests whose prompt prefix was copied from another running sequence's KV on the
+    /// engine's own device (`llama_memory_seq_cp`), the nearest level of the page hierarchy.
+    pub device_copies: AtomicU64,
+    /// Prompt tokens copied that way instead of restored from pages or prefilled.
+    pub device_copy_tokens: AtomicU64,
     /// Tokens the draft model decoded to catch up with its sequences (prompts, and the
     /// tokens accepted each round), drafts not included.
     pub draft_prefill_tokens: AtomicU64,
@@ -195,14 +215,16 @@ impl Engine {
                 reason: "file not found".into(),
             });
         }
-        let model = LlamaModel::load_from_file(backend(), &cfg.model, &LlamaModelParams::default())
-            .map_err(|e| TierError::ModelLoad {
+        let params = model_params(&cfg)?;
+        let model = LlamaModel::load_from_file(backend(), &cfg.model, &params).map_err(|e| {
+            TierError::ModelLoad {
                 path: path.clone(),
                 reason: e.to_string(),
-            })?;
+            }
+        })?;
         let model = Arc::new(model);
         let draft = match &cfg.draft {
-            Some(d) => Some(Arc::new(load_draft(&model, d)?)),
+            Some(d) => Some(Arc::new(load_draft(&model, d, &params)?)),
             None => None,
         };
         let n_ctx_train = model.n_ctx_train();
@@ -458,7 +480,31 @@ fn vocab_markers(model: &LlamaModel) -> Markers {
     }))
 }
 
-fn load_draft(target: &LlamaModel, d: &DraftConfig) -> Result<LlamaModel, TierError> {
+/// Where the tier's layers go: `gpu_layers` of them to the GPUs llama.cpp has (all of them,
+/// or the one `gpu` names). Without a GPU llama.cpp keeps everything on the CPU.
+fn model_params(cfg: &EngineConfig) -> Result<LlamaModelParams, TierError> {
+    let mut p = LlamaModelParams::default();
+    if let crate::GpuLayers::Count(n) = cfg.gpu_layers {
+        p = p.with_n_gpu_layers(n);
+    }
+    if let Some(gpu) = cfg.gpu {
+        let index = crate::gpu::gpu_device_index(&crate::gpu::devices(), gpu)
+            .map_err(|e| TierError::Config(format!("{}: {e}", cfg.name)))?;
+        p = p
+            .with_split_mode(llama_cpp_2::model::params::LlamaSplitMode::None)
+            .with_main_gpu(0)
+            .with_devices(&[index])
+            .map_err(|e| TierError::Config(format!("{}: gpu {gpu}: {e}", cfg.name)))?;
+    }
+    Ok(p)
+}
+
+/// Loads the draft model with the target's placement (`params`).
+fn load_draft(
+    target: &LlamaModel,
+    d: &DraftConfig,
+    params: &LlamaModelParams,
+) -> Result<LlamaModel, TierError> {
     let path = d.model.display().to_string();
     if !d.model.exists() {
         return Err(TierError::ModelLoad {
@@ -466,12 +512,12 @@ fn load_draft(target: &LlamaModel, d: &DraftConfig) -> Result<LlamaModel, TierEr
             reason: "draft model file not found".into(),
         });
     }
-    let m = LlamaModel::load_from_file(backend(), &d.model, &LlamaModelParams::default()).map_err(
-        |e| TierError::ModelLoad {
+    let m = LlamaModel::load_from_file(backend(), &d.model, params).map_err(|e| {
+        TierError::ModelLoad {
             path: path.clone(),
             reason: e.to_string(),
-        },
-    )?;
+        }
+    })?;
     if m.n_vocab() != target.n_vocab() {
         return Err(TierError::Config(format!(
             "draft {path}: vocabulary of {} tokens, the target has {}",
@@ -617,6 +663,29 @@ fn cut_seq(ctx: &mut LlamaContext<'_>, seq: usize, from: usize) -> usize {
     }
 }
 
+/// Fewest more tokens a copy of another sequence's KV must give over what the slot holds
+/// in place: with one KV stream per sequence the copy moves the whole stream (on a GPU a
+/// device-to-device copy of microseconds, on a CPU a memcpy), so a few tokens are cheaper
+/// to prefill.
+const MIN_COPY_GAIN: usize = 16;
+
+/// Whether copying `shared` prompt tokens from another sequence beats the `in_place`
+/// tokens the slot already holds.
+fn worth_copying(shared: usize, in_place: usize) -> bool {
+    shared >= in_place + MIN_COPY_GAIN
+}
+
+/// Makes sequence `dst` hold the first `n` positions of sequence `src`. With one KV stream
+/// per sequence (the only layout that keeps KV on the device between requests) llama.cpp
+/// copies `src`'s whole stream at the start of the next decode, before that decode writes
+/// anything, and `dst` is cut to `n`; `src`'s positions below `n` are prompt tokens it has
+/// already decoded, so the copy sees them as they are now.
+fn copy_prefix(ctx: &mut LlamaContext<'_>, src: usize, dst: usize, n: usize) {
+    let _ = ctx.clear_kv_cache_seq(Some(dst as u32), None, None);
+    let _ = ctx.copy_kv_cache_seq(src as i32, dst as i32, None, None);
+    let _ = ctx.clear_kv_cache_seq(Some(dst as u32), Some(n as u32), None);
+}
+
 /// Length of the common leading run of `a` and `b`.
 fn common_prefix(a: &[i32], b: &[i32]) -> usize {
     a.iter().zip(b).take_while(|(x, y)| x == y).count()
@@ -712,6 +781,8 @@ struct Loop<'m> {
     /// KV kept in each free slot by its last sequence (`EngineConfig::keep_resident`).
     resident: Vec<Option<Resident>>,
     keep_resident: bool,
+    /// The model's memory cannot drop a suffix (recurrent or hybrid): no prefix copies.
+    recurrent: bool,
 }
 
 impl<'m> Loop<'m> {
@@ -743,6 +814,7 @@ impl<'m> Loop<'m> {
             hw: None,
             resident: (0..cfg.n_seq_max).map(|_| None).collect(),
             keep_resident: cfg.keep_resident && !cfg.kv_unified,
+            recurrent: model.is_recurrent() || model.is_hybrid(),
         }
     }
 
@@ -845,17 +917,39 @@ impl<'m> Loop<'m> {
             self.stats
                 .draft_resident_tokens
                 .fetch_add(draft_in_place as u64, Ordering::Relaxed);
+            // The nearest level first: the slot's own kept KV, then a copy of another running
+            // sequence's KV on the same device, then pages (host RAM, far memory, disk, peer),
+            // which are restored only when they cover more than either.
+            let copy = self.copy_source(seq, &p.req.prompt, &p.req.cache_scope, in_place);
+            let device = copy.map_or(in_place, |(_, n)| n);
             let (pages, prefilled) = match &mut self.kv {
                 Some(kv) => kv.restore(
                     &mut self.ctx,
                     seq as i32,
                     &p.req.prompt,
                     &p.req.cache_scope,
-                    in_place,
+                    device,
                 ),
-                None => (PromptPages::default(), in_place),
+                None => (PromptPages::default(), device),
             };
-            if in_place > 0 && prefilled == in_place {
+            let copied = match copy {
+                Some((src, n)) if prefilled == n => {
+                    copy_prefix(&mut self.ctx, src, seq, n);
+                    self.stats.device_copies.fetch_add(1, Ordering::Relaxed);
+                    self.stats
+                        .device_copy_tokens
+                        .fetch_add(n as u64, Ordering::Relaxed);
+                    debug!(
+                        src,
+                        dst = seq,
+                        tokens = n,
+                        "copied a prompt prefix on the device"
+                    );
+                    true
+                }
+                _ => false,
+            };
+            if !copied && in_place > 0 && prefilled == in_place {
                 self.stats.resident_hits.fetch_add(1, Ordering::Relaxed);
                 self.stats
                     .resident_tokens
@@ -944,6 +1038,39 @@ impl<'m> Loop<'m> {
             }
         }
         (slot, shared, draft_shared)
+    }
+
+    /// The running sequence whose KV holds the longest prefix of `prompt` (same cache scope,
+    /// prompt positions already decoded) and how many tokens of it, when copying them into
+    /// slot `dst` beats what `dst` holds in place ([`worth_copying`]). None when KV is not
+    /// kept on the device between sequences (`keep_resident` off, or a unified KV cache) and
+    /// for models whose memory cannot be cut after a copy (recurrent, hybrid).
+    fn copy_source(
+        &self,
+        dst: usize,
+        prompt: &[i32],
+        scope: &str,
+        in_place: usize,
+    ) -> Option<(usize, usize)> {
+        if !self.keep_resident || self.recurrent {
+            return None;
+        }
+        let limit = prompt.len().saturating_sub(1);
+        let (src, n) = self
+            .slots
+            .iter()
+            .enumerate()
+            .filter(|(i, _)| *i != dst)
+            .filter_map(|(i, s)| {
+                let s = s.as_ref()?;
+                if s.req.cache_scope != scope {
+                    return None;
+                }
+                let held = &s.req.prompt[..s.prefilled.min(s.req.prompt.len())];
+                Some((i, common_prefix(held, prompt).min(limit)))
+            })
+            .max_by_key(|&(i, n)| (n, std::cmp::Reverse(i)))?;
+        worth_copying(n, in_place).then_some((src, n))
     }
 
     /// Forgets what a slot keeps (its KV state is not known to match its tokens).
@@ -1537,5 +1664,14 @@ mod tests {
         };
         assert_eq!(draft_threads(&tier(8), &set), (3, 5));
         assert_eq!(draft_threads(&tier(2), &set), (3, 5));
+    }
+
+    #[test]
+    fn a_device_copy_must_beat_the_tokens_held_in_place_by_a_margin() {
+        assert!(worth_copying(MIN_COPY_GAIN, 0));
+        assert!(!worth_copying(MIN_COPY_GAIN - 1, 0));
+        assert!(worth_copying(500, 100));
+        assert!(!worth_copying(100 + MIN_COPY_GAIN - 1, 100));
+        assert!(!worth_copying(0, 0));
     }
 }

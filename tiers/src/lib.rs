@@ -33,6 +33,7 @@ mod config;
 mod engine;
 mod error;
 pub mod eval;
+pub mod gpu;
 pub mod grammar;
 pub mod hwcount;
 pub mod kvcache;
@@ -46,7 +47,8 @@ pub mod speculative;
 pub mod stop;
 
 pub use config::{
-    DraftAcceptance, DraftConfig, EngineConfig, KvPagesConfig, KvType, PageStoreRef, ThreadSetup,
+    DraftAcceptance, DraftConfig, EngineConfig, GpuLayers, KvPagesConfig, KvType, PageStoreRef,
+    ThreadSetup,
 };
 pub use engine::{backend, Engine, EngineStats, ModelInfo, PageHandles};
 pub use error::TierError;

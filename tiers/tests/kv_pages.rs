@@ -286,3 +286,113 @@ async fn kept_kv_serves_the_next_turn_in_place() {
         "prefilled from scratch"
     );
 }
+
+fn submit(
+    e: &Engine,
+    prompt: &[i32],
+    max_tokens: usize,
+) -> tokio::sync::mpsc::UnboundedReceiver<TokenEvent> {
+    e.submit(GenerateRequest {
+        prompt: prompt.to_vec(),
+        max_tokens,
+        ignore_eos: true,
+        ..Default::default()
+    })
+    .unwrap()
+}
+
+/// Token ids until `Done`; stops after the first token when `first_only`.
+async fn tokens(
+    rx: &mut tokio::sync::mpsc::UnboundedReceiver<TokenEvent>,
+    first_only: bool,
+) -> Vec<i32> {
+    let mut out = vec![];
+    while let Some(ev) = tokio::time::timeout(Duration::from_secs(120), rx.recv())
+        .await
+        .expect("no stall")
+    {
+        match ev {
+            TokenEvent::Token { id, .. } => {
+                out.push(id);
+                if first_only {
+                    break;
+                }
+            }
+            TokenEvent::Done { .. } => break,
+            TokenEvent::Error(e) => panic!("{e}"),
+            TokenEvent::Started { .. } => {}
+        }
+    }
+    out
+}
+
+/// Two agents' prompts sharing a system prompt and tool schemas, each run alone on a fresh
+/// engine without kept KV: (prompts, greedy tokens, shared prefix length).
+async fn two_agents(long: usize) -> (Vec<Vec<i32>>, Vec<Vec<i32>>, usize) {
+    let fresh = Engine::start(EngineConfig {
+        keep_resident: false,
+        ..device_level_config(0)
+    })
+    .unwrap();
+    let ps: Vec<Vec<i32>> = prompts(&fresh)[1..3].to_vec();
+    let mut want = vec![];
+    for (p, n) in ps.iter().zip([long, 48]) {
+        want.push(tokens(&mut submit(&fresh, p, n), false).await);
+    }
+    let shared = ps[0].iter().zip(&ps[1]).take_while(|(a, b)| a == b).count();
+    (ps, want, shared)
+}
+
+fn device_level_config(block: usize) -> EngineConfig {
+    EngineConfig {
+        name: "t1".into(),
+        model: model(),
+        n_ctx: 4096 * 2,
+        n_seq_max: 2,
+        n_batch: 1024,
+        prefill_chunk: 512,
+        threads: 2,
+        kv_pages: KvPagesConfig {
+            block,
+            ram_bytes: 64 << 20,
+            ..KvPagesConfig::default()
+        },
+        ..EngineConfig::default()
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_running_sequences_prefix_is_copied_on_the_device_with_equal_tokens() {
+    let (ps, want, shared) = two_agents(400).await;
+    assert!(shared > 200, "prompts share {shared} tokens");
+    let e = Engine::start(device_level_config(0)).unwrap();
+    let stats = e.stats().clone();
+    // The first agent has prefilled its prompt and is still decoding when the second comes.
+    let mut a = submit(&e, &ps[0], 400);
+    let first = tokens(&mut a, true).await;
+    let b = tokens(&mut submit(&e, &ps[1], 48), false).await;
+    let mut got_a = first;
+    got_a.extend(tokens(&mut a, false).await);
+    assert_eq!(b, want[1], "copied prefix continues like a fresh prefill");
+    assert_eq!(got_a, want[0], "the source sequence is unchanged");
+    assert_eq!(stats.device_copies.load(Relaxed), 1);
+    assert_eq!(stats.device_copy_tokens.load(Relaxed) as usize, shared);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_device_copy_is_preferred_to_host_pages_of_the_same_prefix() {
+    let (ps, want, shared) = two_agents(400).await;
+    let e = Engine::start(device_level_config(32)).unwrap();
+    let pages = e.pages().expect("paging on").clone();
+    let mut a = submit(&e, &ps[0], 400);
+    let mut got_a = tokens(&mut a, true).await;
+    // The first agent's prompt pages are in host RAM by now, covering the shared prefix
+    // up to its last full page; the running sequence's KV covers all of it.
+    assert!(pages.reuse.published.load(Relaxed) as usize >= shared / 32);
+    let b = tokens(&mut submit(&e, &ps[1], 48), false).await;
+    got_a.extend(tokens(&mut a, false).await);
+    assert_eq!(b, want[1]);
+    assert_eq!(got_a, want[0]);
+    assert_eq!(e.stats().device_copies.load(Relaxed), 1);
+    assert_eq!(pages.reuse.hits.load(Relaxed), 0, "no page restored");
+}

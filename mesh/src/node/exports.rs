@@ -322,6 +322,15 @@ impl TierNeeds {
                 .cloned()
                 .collect(),
             on_request: engines.on_request(),
+            gpus: mesh_tiers::gpu::gpus()
+                .into_iter()
+                .map(|g| mesh_actors::wire::GpuAdvert {
+                    name: g.name,
+                    description: g.description,
+                    memory_total: g.memory_total,
+                    memory_free: g.memory_free,
+                })
+                .collect(),
         }
     }
 }
