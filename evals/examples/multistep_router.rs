@@ -30,12 +30,13 @@ use serde_json::json;
 
 use mesh_control::embed::normalize;
 use mesh_control::router::tool_text;
-use mesh_control::{Embedder, EmbedderConfig, RouterConfig, Tool, ToolRouter, ToolText};
+use mesh_control::{Embedder, EmbedderConfig, Tool, ToolRouter, ToolText};
 use mesh_evals::bfcl::{find_file, read_jsonl};
 use mesh_evals::multistep::{
     self, held_out, merge_rankings, offered, recall, split_intents, two_level, Mean, Ranked,
     Strategy, Task,
 };
+use mesh_evals::routing::{baseline_and_default, SchemaTokens};
 use mesh_evals::vectors::{matryoshka_truncate, top_k};
 
 #[derive(Parser, Debug)]
@@ -250,18 +251,8 @@ fn main() -> Result<()> {
         threads: args.threads,
         ..EmbedderConfig::default()
     })?;
-    let schema_tokens: Vec<usize> = tools
-        .iter()
-        .map(|t| embedder.count_tokens(&serde_json::to_string(&t.to_openai()).unwrap_or_default()))
-        .collect();
-    let all_tokens: usize = schema_tokens.iter().sum();
-    let tokens_of = |offer: &[String]| -> usize {
-        offer
-            .iter()
-            .filter_map(|n| tools.iter().position(|t| &t.name == n))
-            .map(|i| schema_tokens[i])
-            .sum()
-    };
+    let schema = SchemaTokens::new(&embedder, &tools);
+    let all_tokens = schema.all;
     let queries: Vec<&str> = tasks
         .iter()
         .flat_map(|t| &t.steps)
@@ -271,20 +262,7 @@ fn main() -> Result<()> {
     let mut server_vecs = embedder.embed_batch(&servers.descriptions)?;
     server_vecs.iter_mut().for_each(|v| normalize(v));
 
-    let variants = [
-        (
-            "cosine (name: description)",
-            RouterConfig {
-                tool_text: ToolText::NameDescription,
-                hybrid_weight: 0.0,
-                ..RouterConfig::default()
-            },
-        ),
-        (
-            "default router (hybrid when unsure)",
-            RouterConfig::default(),
-        ),
-    ];
+    let variants = baseline_and_default();
     let matryoshka = matryoshka_check(&args, &embedder, &tools, &tasks, &vecs)?;
     let mut report = Vec::new();
     for (vname, config) in &variants {
@@ -346,7 +324,7 @@ fn main() -> Result<()> {
                         let c = &mut cells[part][si][ki];
                         c.step.add(r);
                         c.offered.add(o.len() as f64);
-                        c.tokens.add(tokens_of(&o) as f64);
+                        c.tokens.add(schema.of(&o) as f64);
                         per_task[si][ki].add(r);
                     }
                 }

@@ -11,6 +11,7 @@
 //! | `verify_cost` | what a verification batch of n rows costs against one row | `docs/cascade.md` |
 //! | `bfcl_router` | the tool router on BFCL's function catalogs | `docs/tool-router.md` |
 //! | `multistep_router` | routing per step of BFCL's multi-turn agent tasks ([`multistep`]) | `docs/tool-router.md` |
+//! | `livemcp_router` | routing on LiveMCPBench's MCP catalog and multi-tool tasks ([`livemcp`]) | `docs/tool-router.md` |
 //! | `router_scores` | the router's confidence per held-out task (for `cascade_eval --router-scores`) | `docs/cascade.md` |
 //! | `tuner_trial` | one tuner trial on a real engine | `docs/tuner.md` |
 //!
@@ -18,6 +19,8 @@
 //! probes through the node's request path instead).
 
 pub mod bfcl;
+pub mod livemcp;
 pub mod multistep;
+pub mod routing;
 pub mod trial;
 pub mod vectors;

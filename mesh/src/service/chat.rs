@@ -188,30 +188,33 @@ fn budget(
 /// What the tool router matches for the current step of a conversation.
 #[derive(Debug, Clone, PartialEq, Default)]
 pub(crate) struct StepQuery {
-    /// The last user message, then the model's stated next step when it wrote one after it.
+    /// The model's stated next step when it wrote one after the last user message, else that
+    /// message.
     pub(crate) intent: String,
     /// Tools the conversation's assistant turns called, first use first, once each.
     pub(crate) used: Vec<String>,
 }
 
-/// The routing question of a conversation's current step: the last user message (the task,
-/// or the user's latest turn) plus the text of the latest assistant turn after it (what the
-/// model said it does next), and every tool already called, which stays offered. Tool
-/// results are not part of the query: their text is data, not intent. `None` without a
+/// The routing question of a conversation's current step: the text of the latest assistant
+/// turn after the last user message (what the model said it does next) when there is one,
+/// else that user message (the task, or the user's latest turn); and every tool already
+/// called, which stays offered. The stated step alone is what measured best on LiveMCPBench
+/// (`livemcp_router`, docs/tool-router.md): joined to the task it drowns in the task's other
+/// needs. Tool results are not part of the query: their text is data, not intent. `None`
+/// without a
 /// non-empty user message.
 pub(crate) fn step_query(messages: &[ChatMessage]) -> Option<StepQuery> {
     let u = messages
         .iter()
         .rposition(|m| m.role == Role::User && !m.content.trim().is_empty())?;
-    let mut intent = messages[u].content.clone();
     let stated = messages[u + 1..]
         .iter()
         .rev()
         .find(|m| m.role == Role::Assistant && !m.content.trim().is_empty());
-    if let Some(m) = stated {
-        intent.push('\n');
-        intent.push_str(m.content.trim());
-    }
+    let intent = match stated {
+        Some(m) => m.content.trim().to_owned(),
+        None => messages[u].content.clone(),
+    };
     let mut used: Vec<String> = vec![];
     for c in messages
         .iter()
@@ -730,7 +733,7 @@ mod tests {
     }
 
     #[test]
-    fn the_models_stated_next_step_joins_the_intent() {
+    fn the_models_stated_next_step_is_the_intent() {
         let q = step_query(&[
             msg(Role::User, "plan my trip", &[]),
             msg(Role::Assistant, "First the flight.", &["search_flights"]),
@@ -743,10 +746,18 @@ mod tests {
             msg(Role::Tool, "{\"trains\": [1]}", &[]),
         ])
         .unwrap();
-        assert_eq!(
-            q.intent,
-            "plan my trip\nNo flights; I will look for trains."
-        );
+        assert_eq!(q.intent, "No flights; I will look for trains.");
+    }
+
+    #[test]
+    fn tool_calls_without_text_leave_the_user_message_as_the_intent() {
+        let q = step_query(&[
+            msg(Role::User, "plan my trip", &[]),
+            msg(Role::Assistant, " ", &["search_flights"]),
+            msg(Role::Tool, "{\"flights\": []}", &[]),
+        ])
+        .unwrap();
+        assert_eq!(q.intent, "plan my trip");
     }
 
     #[test]

