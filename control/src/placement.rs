@@ -454,6 +454,189 @@ pub fn bind_current_thread(placement: &TierPlacement) -> Result<BindOutcome, cra
     Ok(out)
 }
 
+/// One GPU as the GPU plan sees it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct GpuSpace {
+    /// GPU index (0 = the first GPU, as `gpu` in a tier config counts).
+    pub index: usize,
+    /// Free device memory when the node starts.
+    pub free: u64,
+}
+
+/// What one tier asks of the GPUs.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct GpuDemand {
+    /// Tier name.
+    pub tier: String,
+    /// Device bytes it takes (weights and KV of its offloaded layers, working buffers);
+    /// 0 for a tier kept on the CPU (`gpu_layers = 0`).
+    pub bytes: u64,
+    /// The GPU its config names, if any: kept as given.
+    pub pinned: Option<usize>,
+}
+
+/// Where a tier's offloaded layers go.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum GpuChoice {
+    /// No GPU: no GPU on the host, `gpu_layers = 0`, or it fits in no GPU memory at all.
+    Cpu,
+    /// This GPU alone.
+    Gpu(usize),
+    /// Split over every GPU (llama.cpp's layer split): it fits in their memory together only.
+    Split,
+}
+
+/// The GPU plan of one tier.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct GpuAssignment {
+    /// Tier name.
+    pub tier: String,
+    /// Device bytes it was planned with.
+    pub bytes: u64,
+    /// Where it goes.
+    pub choice: GpuChoice,
+}
+
+/// Every tier's GPU, and what the operator should know.
+#[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
+pub struct GpuPlan {
+    /// One entry per tier, in the order asked.
+    pub tiers: Vec<GpuAssignment>,
+    /// Free bytes left on each GPU (by position in the `gpus` given) after the plan.
+    pub free_after: Vec<u64>,
+    /// Tiers moved to the CPU, split, or pinned past a GPU's free memory.
+    pub warnings: Vec<String>,
+}
+
+impl GpuPlan {
+    /// One line per tier plus the warnings, for the start-up log and `mesh topology`.
+    pub fn render(&self) -> String {
+        let mut s = String::new();
+        for t in &self.tiers {
+            let at = match t.choice {
+                GpuChoice::Cpu => "cpu".to_string(),
+                GpuChoice::Gpu(i) => format!("gpu {i}"),
+                GpuChoice::Split => "split over every gpu".to_string(),
+            };
+            let _ = writeln!(
+                s,
+                "  {:<10} {at} ({:.1} GiB of device memory)",
+                t.tier,
+                t.bytes as f64 / f64::from(1u32 << 30)
+            );
+        }
+        for w in &self.warnings {
+            let _ = writeln!(s, "  warning: {w}");
+        }
+        s
+    }
+}
+
+/// Plans which GPU each tier's offloaded layers go to. Pure: same inputs, same plan.
+///
+/// - A tier whose config names a GPU keeps it (a warning when it exceeds that GPU's free
+///   memory: llama.cpp will fail to allocate).
+/// - The others, largest first, go to the GPU with the most free memory that holds them
+///   whole, so tiers spread over the GPUs (each decodes on a device of its own when there
+///   are enough) and the large ones find room.
+/// - A tier that fits in no single GPU but in all of them together is split over every GPU.
+/// - A tier that fits nowhere runs on the CPU: it would fail to load otherwise. Setting
+///   `gpu_layers` to a count offloads part of it.
+pub fn plan_gpus(gpus: &[GpuSpace], demands: &[GpuDemand]) -> GpuPlan {
+    let gib = |b: u64| b as f64 / f64::from(1u32 << 30);
+    let mut free: Vec<u64> = gpus.iter().map(|g| g.free).collect();
+    let mut choice: Vec<GpuChoice> = vec![GpuChoice::Cpu; demands.len()];
+    let mut warnings = vec![];
+    if gpus.is_empty() {
+        return GpuPlan {
+            tiers: demands
+                .iter()
+                .map(|d| GpuAssignment {
+                    tier: d.tier.clone(),
+                    bytes: d.bytes,
+                    choice: GpuChoice::Cpu,
+                })
+                .collect(),
+            free_after: vec![],
+            warnings,
+        };
+    }
+    for (i, d) in demands.iter().enumerate() {
+        let Some(p) = d.pinned else { continue };
+        if d.bytes == 0 {
+            continue;
+        }
+        choice[i] = GpuChoice::Gpu(p);
+        if let Some(pos) = gpus.iter().position(|g| g.index == p) {
+            if d.bytes > free[pos] {
+                warnings.push(format!(
+                    "{}: needs {:.1} GiB on gpu {p}, which has {:.1} GiB free",
+                    d.tier,
+                    gib(d.bytes),
+                    gib(free[pos])
+                ));
+            }
+            free[pos] = free[pos].saturating_sub(d.bytes);
+        }
+    }
+    let mut order: Vec<usize> = (0..demands.len())
+        .filter(|&i| demands[i].pinned.is_none() && demands[i].bytes > 0)
+        .collect();
+    order.sort_by(|&a, &b| demands[b].bytes.cmp(&demands[a].bytes).then(a.cmp(&b)));
+    for i in order {
+        let d = &demands[i];
+        let best = (0..gpus.len())
+            .filter(|&g| free[g] >= d.bytes)
+            .max_by(|&a, &b| free[a].cmp(&free[b]).then(b.cmp(&a)));
+        let total: u64 = free.iter().sum();
+        if let Some(g) = best {
+            free[g] -= d.bytes;
+            choice[i] = GpuChoice::Gpu(gpus[g].index);
+        } else if total >= d.bytes {
+            // llama.cpp splits by its own rule; the plan takes from each GPU in proportion
+            // to its free memory.
+            let mut left = d.bytes;
+            for (g, f) in free.iter_mut().enumerate() {
+                let take = if g + 1 == gpus.len() {
+                    left
+                } else {
+                    ((u128::from(*f) * u128::from(d.bytes)) / u128::from(total.max(1))) as u64
+                };
+                let take = take.min(*f).min(left);
+                *f -= take;
+                left -= take;
+            }
+            choice[i] = GpuChoice::Split;
+            warnings.push(format!(
+                "{}: {:.1} GiB fits in no single gpu: split over every gpu",
+                d.tier,
+                gib(d.bytes)
+            ));
+        } else {
+            warnings.push(format!(
+                "{}: needs {:.1} GiB of device memory, the gpus have {:.1} GiB free: runs on the cpu (set gpu_layers to a count to offload part of it)",
+                d.tier,
+                gib(d.bytes),
+                gib(total)
+            ));
+        }
+    }
+    GpuPlan {
+        tiers: demands
+            .iter()
+            .zip(choice)
+            .map(|(d, choice)| GpuAssignment {
+                tier: d.tier.clone(),
+                bytes: d.bytes,
+                choice,
+            })
+            .collect(),
+        free_after: free,
+        warnings,
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -705,5 +888,94 @@ mod tests {
         assert!(p.tiers.iter().all(|t| t.numa_nodes.is_empty()));
         assert_eq!(p.threads_for("t2"), Some(2));
         assert_eq!(plan(&t, &[]).tiers.len(), 0);
+    }
+
+    const GIB: u64 = 1 << 30;
+
+    fn gpus(free: &[u64]) -> Vec<GpuSpace> {
+        free.iter()
+            .enumerate()
+            .map(|(index, &f)| GpuSpace {
+                index,
+                free: f * GIB,
+            })
+            .collect()
+    }
+
+    fn gpu_demand(tier: &str, gib: u64, pinned: Option<usize>) -> GpuDemand {
+        GpuDemand {
+            tier: tier.into(),
+            bytes: gib * GIB,
+            pinned,
+        }
+    }
+
+    fn choices(p: &GpuPlan) -> Vec<GpuChoice> {
+        p.tiers.iter().map(|t| t.choice).collect()
+    }
+
+    #[test]
+    fn tiers_spread_over_gpus_largest_first() {
+        let p = plan_gpus(
+            &gpus(&[24, 24]),
+            &[
+                gpu_demand("t1", 2, None),
+                gpu_demand("t3", 16, None),
+                gpu_demand("t2", 6, None),
+            ],
+        );
+        // t3 takes gpu 0 (tie: lower index), t2 then the emptier gpu 1, t1 gpu 1 again.
+        assert_eq!(
+            choices(&p),
+            [GpuChoice::Gpu(1), GpuChoice::Gpu(0), GpuChoice::Gpu(1)]
+        );
+        assert_eq!(p.free_after, [8 * GIB, 16 * GIB]);
+        assert!(p.warnings.is_empty(), "{:?}", p.warnings);
+    }
+
+    #[test]
+    fn a_pinned_tier_keeps_its_gpu_and_others_avoid_the_space_it_took() {
+        let p = plan_gpus(
+            &gpus(&[24, 24]),
+            &[gpu_demand("big", 20, Some(1)), gpu_demand("t2", 10, None)],
+        );
+        assert_eq!(choices(&p), [GpuChoice::Gpu(1), GpuChoice::Gpu(0)]);
+    }
+
+    #[test]
+    fn a_pinned_tier_past_its_gpus_free_memory_is_warned_about() {
+        let p = plan_gpus(&gpus(&[8]), &[gpu_demand("big", 20, Some(0))]);
+        assert_eq!(choices(&p), [GpuChoice::Gpu(0)]);
+        assert!(
+            p.warnings[0].contains("needs 20.0 GiB on gpu 0"),
+            "{:?}",
+            p.warnings
+        );
+    }
+
+    #[test]
+    fn a_tier_too_large_for_one_gpu_is_split_over_all() {
+        let p = plan_gpus(&gpus(&[24, 24]), &[gpu_demand("70b", 40, None)]);
+        assert_eq!(choices(&p), [GpuChoice::Split]);
+        assert_eq!(p.free_after.iter().sum::<u64>(), 8 * GIB);
+    }
+
+    #[test]
+    fn a_tier_too_large_for_every_gpu_runs_on_the_cpu_with_a_warning() {
+        let p = plan_gpus(&gpus(&[24]), &[gpu_demand("405b", 200, None)]);
+        assert_eq!(choices(&p), [GpuChoice::Cpu]);
+        assert!(
+            p.warnings[0].contains("runs on the cpu"),
+            "{:?}",
+            p.warnings
+        );
+    }
+
+    #[test]
+    fn cpu_tiers_and_gpu_less_hosts_plan_the_cpu() {
+        let p = plan_gpus(&gpus(&[24]), &[gpu_demand("cpu", 0, None)]);
+        assert_eq!(choices(&p), [GpuChoice::Cpu]);
+        let p = plan_gpus(&[], &[gpu_demand("t1", 2, None)]);
+        assert_eq!(choices(&p), [GpuChoice::Cpu]);
     }
 }

@@ -780,9 +780,10 @@ fn topology(a: &TopologyArgs) -> anyhow::Result<()> {
     let plan = mesh::node::placement::plan_for(&topo, &cfg.tiers);
     let gpus = mesh_tiers::gpu::gpus();
     let modules = mesh_tiers::gpu::load_modules();
+    let gpu_plan = mesh::node::placement::gpu_plan_for(&cfg.tiers, &gpus);
     if a.json {
         let v = serde_json::json!({"topology": topo, "placement": plan, "gpus": gpus,
-            "backend_modules": modules});
+            "backend_modules": modules, "gpu_plan": gpu_plan});
         println!("{}", serde_json::to_string_pretty(&v)?);
     } else {
         print!("{}", topo.render());
@@ -796,6 +797,10 @@ fn topology(a: &TopologyArgs) -> anyhow::Result<()> {
         println!("kv far     {}", far.render());
         println!();
         print!("{}", plan.render());
+        if let Some(g) = &gpu_plan {
+            println!("gpu plan over {} gpus", gpus.len());
+            print!("{}", g.render());
+        }
     }
     Ok(())
 }

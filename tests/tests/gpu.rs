@@ -133,6 +133,27 @@ fn topology_lists_the_gpu_with_its_memory() {
     assert!(g["memory_total"].as_u64().unwrap_or(0) > 0, "{v}");
 }
 
+#[test]
+fn without_a_gpu_there_is_no_gpu_plan() {
+    let d = tempfile::tempdir().unwrap();
+    let v = topology(d.path());
+    assert_eq!(v["gpu_plan"], Value::Null, "{v}");
+}
+
+#[test]
+#[ignore = "needs a GPU and scripts/build-cuda-module.sh"]
+fn the_gpu_plan_puts_the_bundled_tiers_on_the_gpu() {
+    let v = topology(&modules_beside_mesh());
+    let tiers = v["gpu_plan"]["tiers"]
+        .as_array()
+        .cloned()
+        .unwrap_or_default();
+    assert_eq!(tiers.len(), 3, "{v}");
+    for t in tiers {
+        assert_eq!(t["choice"], json!({"gpu": 0}), "{v}");
+    }
+}
+
 /// A prompt of about 800 t1 tokens, different for each `i`.
 fn long_prompt(i: usize) -> String {
     let facts: String = (0..30)

@@ -53,4 +53,7 @@ pub use config::{
 pub use engine::{backend, Engine, EngineStats, ModelInfo, PageHandles};
 pub use error::TierError;
 pub use request::{FinishReason, GenerateRequest, SamplingParams, TokenEvent, Usage};
-pub use shape::{tier_memory_bytes, ModelShape, CONTEXT_OVERHEAD_BYTES};
+pub use shape::{
+    tier_device_bytes, tier_memory_bytes, ModelShape, CONTEXT_OVERHEAD_BYTES,
+    GPU_CONTEXT_OVERHEAD_BYTES,
+};

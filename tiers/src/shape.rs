@@ -33,7 +33,8 @@ impl ModelShape {
                 reason: e.to_string(),
             })?
             .len();
-        let params = LlamaModelParams::default();
+        // On the CPU: reading a shape must not take device memory.
+        let params = LlamaModelParams::default().with_n_gpu_layers(0);
         let model = LlamaModel::load_from_file(crate::backend(), path, &params).map_err(|e| {
             TierError::ModelLoad {
                 path: path.display().to_string(),
@@ -86,6 +87,41 @@ pub fn tier_memory_bytes(
     bytes
 }
 
+/// Device working buffers of a tier on a GPU (compute graph, logits) as a flat allowance per
+/// tier. Not measured per model: an allowance of the order llama.cpp's CUDA compute buffers
+/// take for 1-8B models at 512-token micro-batches.
+pub const GPU_CONTEXT_OVERHEAD_BYTES: u64 = 1 << 30;
+
+/// The share of a model's layers `gpu_layers` puts on a GPU, in 0..=1.
+fn offloaded_share(gpu_layers: crate::GpuLayers, n_layer: u32) -> f64 {
+    match gpu_layers {
+        crate::GpuLayers::All => 1.0,
+        crate::GpuLayers::Count(n) => f64::from(n.min(n_layer)) / f64::from(n_layer.max(1)),
+    }
+}
+
+/// Device memory a tier takes on a GPU: the offloaded share (`gpu_layers`) of its weights
+/// and of a full KV cache (`n_ctx` cells), a draft model's likewise (it loads with the
+/// target's placement), and [`GPU_CONTEXT_OVERHEAD_BYTES`]. 0 for a tier kept on the CPU.
+pub fn tier_device_bytes(
+    cfg: &EngineConfig,
+    shape: &ModelShape,
+    draft: Option<&ModelShape>,
+) -> u64 {
+    let share = |s: &ModelShape, kv: KvType| -> f64 {
+        let whole = s.file_bytes + u64::from(cfg.n_ctx) * s.kv_bytes_per_cell(kv);
+        whole as f64 * offloaded_share(cfg.gpu_layers, s.n_layer)
+    };
+    let mut bytes = share(shape, cfg.kv_type);
+    if bytes == 0.0 {
+        return 0;
+    }
+    if let (Some(d), Some(_)) = (draft, &cfg.draft) {
+        bytes += share(d, KvType::F16);
+    }
+    bytes.ceil() as u64 + GPU_CONTEXT_OVERHEAD_BYTES
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -123,5 +159,29 @@ mod tests {
         };
         let want = (1 << 30) + 4096 * (32 << 10) + cfg.kv_pages.ram_bytes + CONTEXT_OVERHEAD_BYTES;
         assert_eq!(tier_memory_bytes(&cfg, &shape(), None), want);
+    }
+
+    #[test]
+    fn device_bytes_take_the_offloaded_share_of_weights_and_kv() {
+        let half = EngineConfig {
+            n_ctx: 4096,
+            draft: None,
+            gpu_layers: crate::GpuLayers::Count(8),
+            ..EngineConfig::default()
+        };
+        let whole = (1u64 << 30) + 4096 * (32 << 10);
+        assert_eq!(
+            tier_device_bytes(&half, &shape(), None),
+            whole / 2 + GPU_CONTEXT_OVERHEAD_BYTES
+        );
+    }
+
+    #[test]
+    fn a_tier_kept_on_the_cpu_takes_no_device_memory() {
+        let cpu = EngineConfig {
+            gpu_layers: crate::GpuLayers::Count(0),
+            ..EngineConfig::default()
+        };
+        assert_eq!(tier_device_bytes(&cpu, &shape(), None), 0);
     }
 }

@@ -198,6 +198,7 @@ pub async fn start(
         vec![]
     };
     let placement = placement::apply(&cfg.placement, &mut tiers);
+    placement::apply_gpus(&mut tiers);
     farmem::apply(&mesh_control::topology::Topology::detect(), &mut tiers);
     // Namespaces peers create here (pages demoted to a store node) get the store settings.
     let pages = PageStores::new(StoreConfig {
