@@ -40,6 +40,10 @@ if [[ -z "$SRC" ]]; then
 fi
 [[ -f "$SRC/CMakeLists.txt" && -d "$SRC/src/ggml-cuda" ]] || die "$SRC is not a ggml source folder with ggml-cuda"
 
+# CUDA graphs (one launch for a whole decode step instead of one per kernel) are on in
+# llama.cpp's own builds: its top-level CMakeLists turns them on, and ggml built on its own
+# leaves them off. They are set here, so the module decodes as llama-server does.
+#
 # The crate ships ggml/ without ggml.pc.in, which ggml's CMakeLists configures: build from a
 # copy that has a stub of it.
 mkdir -p "$WORK"
@@ -58,6 +62,7 @@ cmake -S "$WORK/src" -B "$WORK/build" \
     -DGGML_BACKEND_DL=ON \
     -DGGML_CUDA=ON \
     -DGGML_NATIVE=OFF \
+    -DGGML_CUDA_GRAPHS=ON \
     -DGGML_BUILD_TESTS=OFF -DGGML_BUILD_EXAMPLES=OFF \
     -DCMAKE_CUDA_ARCHITECTURES="$ARCH" \
     -DCMAKE_BUILD_RPATH='$ORIGIN' >"$WORK/configure.log" 2>&1 \

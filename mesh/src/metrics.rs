@@ -652,7 +652,7 @@ impl Collector for NodeCollector {
             .collect();
         hw.sort_by(|a, b| a.0.cmp(&b.0));
         // KV kept in slots between requests, and grammar refusals (every tier).
-        let resident_counters: [(&str, &str, Stat); 5] = [
+        let resident_counters: [(&str, &str, Stat); 6] = [
             (
                 "grammar_refusals",
                 "Greedy tokens whose free choice the request's grammar refused (chosen again from the masked vocabulary)",
@@ -667,6 +667,11 @@ impl Collector for NodeCollector {
                 "kv_resident_tokens",
                 "Prompt tokens reused in place from a slot's kept KV instead of prefilled",
                 |s| s.resident_tokens.load(Relaxed),
+            ),
+            (
+                "kv_resident_dropped_tokens",
+                "Tokens of KV kept in a slot that left the tier's device when the slot took another prompt (their prompt pages stay in host RAM)",
+                |s| s.resident_dropped_tokens.load(Relaxed),
             ),
             (
                 "kv_device_copies",

@@ -2,7 +2,8 @@
 //!
 //! On every machine: a backend module that does not load is reported with the loader's
 //! reason and the node serves its tiers on the CPU; a tier asking for a GPU the machine lacks
-//! is refused when the node starts.
+//! is refused when the node starts; prompts whose KV left the device (more prompts than
+//! slots) come back from host-RAM pages with the same replies.
 //!
 //! On a GPU node only (ignored elsewhere; run them after `scripts/build-cuda-module.sh` with
 //! `cargo test --release --workspace --test gpu -- --ignored`): `mesh topology` lists the GPU
@@ -10,7 +11,7 @@
 //! prompts; pages a GPU node wrote to `--kv-dir` are restored on the GPU after a restart,
 //! with the same reply; a shared prefix served from each level of a GPU node (recomputed,
 //! kept in the slot, copied from a running sequence on the GPU, restored from host RAM)
-//! gives the CPU's replies.
+//! gives the CPU's replies; the same return from host RAM as on the CPU, onto the GPU.
 use std::path::Path;
 use std::process::Command;
 
@@ -343,4 +344,38 @@ async fn a_prefix_served_from_each_gpu_node_level_gives_the_cpus_greedy_replies(
         tokens_restored(&pages.http).await >= 512,
         "no prefix restored from RAM"
     );
+}
+
+/// Five distinct prompts of about 800 tokens through a node whose device holds two (two
+/// slots), twice over. In the second round each prompt's KV has left the device (the two
+/// slots took later prompts), so its prefix comes back from host-RAM pages onto the device;
+/// every reply equals the first round's.
+async fn prefixes_beyond_the_device_come_back_from_ram(gpu_layers: &str) {
+    let d = tempfile::tempdir().unwrap();
+    let n = t1_node(d.path(), gpu_layers, &[]);
+    let prompts: Vec<String> = (10..15).map(long_prompt).collect();
+    let mut first = vec![];
+    for p in &prompts {
+        first.push(greedy(&n.http, p).await);
+    }
+    let restored = tokens_restored(&n.http).await;
+    let dropped = metric_total(&n.http, "mesh_kv_resident_dropped_tokens_total").await;
+    for (i, p) in prompts.iter().enumerate() {
+        assert_eq!(greedy(&n.http, p).await, first[i], "prompt {i}");
+    }
+    let restored = tokens_restored(&n.http).await - restored;
+    let dropped = metric_total(&n.http, "mesh_kv_resident_dropped_tokens_total").await - dropped;
+    assert!(restored >= 5 * 512, "{restored} tokens restored from RAM");
+    assert!(dropped >= 5.0 * 512.0, "{dropped} tokens left the device");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn prefixes_beyond_the_slots_come_back_from_ram_with_the_same_replies() {
+    prefixes_beyond_the_device_come_back_from_ram("0").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs a GPU and scripts/build-cuda-module.sh"]
+async fn prefixes_beyond_the_gpu_come_back_from_ram_with_the_same_replies() {
+    prefixes_beyond_the_device_come_back_from_ram("all").await;
 }

@@ -127,6 +127,9 @@ pub struct EngineStats {
     pub resident_hits: AtomicU64,
     /// Prompt tokens reused in place from a slot's kept KV instead of prefilled.
     pub resident_tokens: AtomicU64,
+    /// Tokens of KV kept in a slot that left the device when the slot took another prompt
+    /// (the least recently used slot goes first); their prompt pages stay in host RAM.
+    pub resident_dropped_tokens: AtomicU64,
     /// Requests whose prompt prefix was copied from another running sequence's KV on the
     /// engine's own device (`llama_memory_seq_cp`), the nearest level of the page hierarchy.
     pub device_copies: AtomicU64,
@@ -1033,6 +1036,10 @@ impl<'m> Loop<'m> {
         let mut draft_shared = 0;
         if let Some(r) = self.resident[slot].take() {
             shared = cut_seq(&mut self.ctx, slot, shared);
+            let dropped = r.tokens.len().saturating_sub(shared);
+            self.stats
+                .resident_dropped_tokens
+                .fetch_add(dropped as u64, Ordering::Relaxed);
             if let Some(d) = &mut self.draft {
                 draft_shared = cut_seq(&mut d.ctx, slot, shared.min(r.draft));
             }
