@@ -335,6 +335,8 @@ impl PlannerState {
                         free_bytes: m.capacity.free_bytes,
                         need_cores: l.threads,
                         need_bytes: l.bytes,
+                        gpu_free: m.capacity.gpus.iter().map(|g| g.memory_free).collect(),
+                        need_gpu_bytes: l.gpu_bytes,
                     })
                 })
                 .collect();

@@ -52,6 +52,8 @@ pub struct LoadableTier {
     pub threads: u32,
     /// Memory it needs (weights, KV cache, page budget, buffers).
     pub bytes: u64,
+    /// Device memory it takes on one GPU (0 when it runs on the CPU: `gpu_layers = 0`).
+    pub gpu_bytes: u64,
 }
 
 /// What a node has room for, as the planner reads it.

@@ -5,7 +5,8 @@
 //! ```text
 //! adverts ─▶ Replica (running: load, slots)   ─┐
 //!         ─▶ Host (could load it: free cores,  ├─▶ decide ─▶ Start{node} | Drain{node} | Hold
-//!            free memory, what the tier needs) │
+//!            free memory and GPU memory, what  │
+//!            the tier needs)                   │
 //! counters ─▶ queue_ms (mean queue time of the ┘
 //!             requests that started in the window)
 //! ```
@@ -104,12 +105,22 @@ pub struct Host {
     pub need_cores: u32,
     /// Memory the tier needs there (bytes).
     pub need_bytes: u64,
+    /// Free memory of each of its GPUs (bytes; empty on a node without GPUs).
+    pub gpu_free: Vec<u64>,
+    /// Device memory the tier takes on one GPU (bytes; 0 for a tier that runs on the CPU).
+    pub need_gpu_bytes: u64,
 }
 
 impl Host {
     /// Whether the tier fits.
     pub fn fits(&self) -> bool {
         self.free_cores >= self.need_cores && self.free_bytes >= self.need_bytes
+    }
+
+    /// Whether the tier would run on one of its GPUs: it asks for GPU layers and one GPU
+    /// has the device memory it takes. Where none has, the node runs it on the CPU.
+    pub fn gpu_fits(&self) -> bool {
+        self.need_gpu_bytes > 0 && self.gpu_free.iter().any(|&f| f >= self.need_gpu_bytes)
     }
 }
 
@@ -154,12 +165,14 @@ pub struct Inputs<'a> {
     pub full_window: bool,
 }
 
-/// The node to start the tier on: one where it fits, with the most free cores, then the
-/// most free memory, then the first name.
+/// The node to start the tier on: one where it fits; first one where it runs on a GPU
+/// ([`Host::gpu_fits`]), then the most free cores, then the most free memory, then the
+/// first name.
 pub fn best_host(hosts: &[Host]) -> Option<&Host> {
     hosts.iter().filter(|h| h.fits()).min_by(|a, b| {
-        b.free_cores
-            .cmp(&a.free_cores)
+        b.gpu_fits()
+            .cmp(&a.gpu_fits())
+            .then(b.free_cores.cmp(&a.free_cores))
             .then(b.free_bytes.cmp(&a.free_bytes))
             .then(a.node.cmp(&b.node))
     })
@@ -321,7 +334,44 @@ mod tests {
             free_bytes: bytes,
             need_cores: 1,
             need_bytes: 100,
+            gpu_free: vec![],
+            need_gpu_bytes: 0,
         }
+    }
+
+    fn gpu_host(node: &str, cores: u32, gpu_free: &[u64], need_gpu_bytes: u64) -> Host {
+        Host {
+            gpu_free: gpu_free.to_vec(),
+            need_gpu_bytes,
+            ..host(node, cores, 1000)
+        }
+    }
+
+    #[test]
+    fn a_gpu_tier_starts_where_one_gpu_has_room_before_more_cores() {
+        let h = [
+            gpu_host("cpu-only", 64, &[], 500),
+            gpu_host("gpu", 8, &[400, 600], 500),
+        ];
+        assert_eq!(best_host(&h).unwrap().node, "gpu");
+    }
+
+    #[test]
+    fn gpus_without_room_for_the_tier_count_as_none() {
+        let h = [
+            gpu_host("full-gpus", 8, &[400, 400], 500),
+            gpu_host("more-cores", 16, &[], 500),
+        ];
+        assert_eq!(best_host(&h).unwrap().node, "more-cores");
+    }
+
+    #[test]
+    fn a_cpu_tier_is_placed_by_cores_whatever_the_gpus() {
+        let h = [
+            gpu_host("gpu", 8, &[1 << 40], 0),
+            gpu_host("cores", 16, &[], 0),
+        ];
+        assert_eq!(best_host(&h).unwrap().node, "cores");
     }
 
     fn inputs<'a>(

@@ -638,6 +638,9 @@ struct Slot {
     spec: Option<SpecSeq>,
     /// Tokens emitted so far (the sequence's KV holds the prompt, then these).
     out: Vec<i32>,
+    /// Its prompt was prefilled in this step and its new pages are not published yet: they
+    /// are, once the step's first tokens went out (or before the slot is freed).
+    publish_due: bool,
 }
 
 /// KV a finished sequence left in its slot: its tokens (prompt, then answer) at positions
@@ -1004,6 +1007,7 @@ impl<'m> Loop<'m> {
                 reasoning_capped: false,
                 spec,
                 out: Vec::new(),
+                publish_due: false,
             });
             self.next_age += 1;
         }
@@ -1105,6 +1109,8 @@ impl<'m> Loop<'m> {
     /// request, `keep_resident`); returns it so the caller can still report.
     fn free(&mut self, i: usize) -> Option<Slot> {
         let mut s = self.slots[i].take()?;
+        // A sequence that ends at its first token publishes before its KV goes.
+        self.publish(i, &mut s);
         self.unpend(&s);
         s.pages.clear_pending();
         let prompt_len = s.req.prompt.len();
@@ -1248,15 +1254,13 @@ impl<'m> Loop<'m> {
             }
             return;
         }
+        // Prompts prefilled in this step publish their new pages after their first token
+        // went out: a publish reads the sequence's whole KV state (on a GPU, a copy to host
+        // memory of every layer's cells), which the first token need not wait for.
         if self.kv.is_some() {
-            for slot in prompt_done {
-                if let Some(mut s) = self.slots[slot].take() {
-                    if let Some(kv) = &self.kv {
-                        kv.publish(&self.ctx, slot as i32, &s.pages);
-                    }
-                    self.unpend(&s);
-                    s.pages.clear_pending();
-                    self.slots[slot] = Some(s);
+            for &slot in &prompt_done {
+                if let Some(s) = self.slots[slot].as_mut() {
+                    s.publish_due = true;
                 }
             }
         }
@@ -1278,6 +1282,25 @@ impl<'m> Loop<'m> {
                 self.verify(slot, row, &drafts, &dists);
             }
         }
+        for slot in prompt_done {
+            if let Some(mut s) = self.slots[slot].take() {
+                self.publish(slot, &mut s);
+                self.slots[slot] = Some(s);
+            }
+        }
+    }
+
+    /// Publishes the new pages of `s` (in slot `slot`) when they are due, and releases its
+    /// claim on them, so that requests waiting for them go on.
+    fn publish(&mut self, slot: usize, s: &mut Slot) {
+        if !std::mem::take(&mut s.publish_due) {
+            return;
+        }
+        if let Some(kv) = &self.kv {
+            kv.publish(&self.ctx, slot as i32, &s.pages);
+        }
+        self.unpend(s);
+        s.pages.clear_pending();
     }
 
     /// Sets each decoding speculative sequence's draft length for this step; returns the

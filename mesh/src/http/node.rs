@@ -118,7 +118,7 @@ pub(crate) async fn cluster(State(state): State<HttpState>) -> Json<Value> {
                     "tiers": m.tiers.iter().map(tier_json).collect::<Vec<_>>(),
                     "capacity": {"cores": m.capacity.cores, "cores_used": m.capacity.cores_used,
                         "free_bytes": m.capacity.free_bytes,
-                        "loadable": m.capacity.loadable.iter().map(|l| json!({"name": l.name, "threads": l.threads, "bytes": l.bytes})).collect::<Vec<_>>(),
+                        "loadable": m.capacity.loadable.iter().map(|l| json!({"name": l.name, "threads": l.threads, "bytes": l.bytes, "gpu_bytes": l.gpu_bytes})).collect::<Vec<_>>(),
                         "on_request": m.capacity.on_request,
                         "gpus": m.capacity.gpus.iter().map(|g| json!({"name": g.name, "description": g.description,
                             "memory_total": g.memory_total, "memory_free": g.memory_free})).collect::<Vec<_>>()},

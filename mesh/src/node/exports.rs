@@ -304,6 +304,7 @@ impl TierNeeds {
                 name: t.name.clone(),
                 threads: t.threads.max(1) as u32,
                 bytes: mesh_tiers::tier_memory_bytes(t, &shape, draft.as_ref()),
+                gpu_bytes: mesh_tiers::tier_device_bytes(t, &shape, draft.as_ref()),
             });
         }
         Self { cores, tiers: out }
