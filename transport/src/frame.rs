@@ -29,8 +29,9 @@ pub const MAGIC: [u8; 2] = *b"MS";
 /// `Event::Done`; 5: calls to named actors (`Request::Call` with an envelope, the tier,
 /// page-store and router protocols) and roles, actors and store pages in adverts; 6: prompt
 /// parts in `TierCall::Tokenize`, and the cached prompt tokens and matched stop string of
-/// `Event::Done`).
-pub const WIRE_VERSION: u16 = 7;
+/// `Event::Done`; 7: engine counters and capacity in adverts, later with the node's GPUs;
+/// 8: the device memory a loadable tier takes, `LoadableTier.gpu_bytes`).
+pub const WIRE_VERSION: u16 = 8;
 /// Bytes before the payload.
 pub const HEADER_LEN: usize = 8;
 /// Default payload limit of control frames (1 MiB).
