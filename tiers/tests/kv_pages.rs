@@ -400,3 +400,15 @@ async fn the_device_copy_is_preferred_to_host_pages_of_the_same_prefix() {
     assert_eq!(e.stats().device_copies.load(Relaxed), 1);
     assert_eq!(pages.reuse.hits.load(Relaxed), 0, "no page restored");
 }
+
+/// A sequence that ends at its first token (one token asked for, KV not kept in its slot)
+/// still publishes its prompt's pages: they go before its KV is cleared.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sequence_ending_at_its_first_token_publishes_its_pages() {
+    let e = engine(32, None, 1);
+    let p = prompts(&e)[0].clone();
+    let got = tokens(&mut submit(&e, &p, 1), false).await;
+    assert_eq!(got.len(), 1);
+    let published = e.pages().unwrap().reuse.published.load(Relaxed) as usize;
+    assert_eq!(published, p.len() / 32);
+}
