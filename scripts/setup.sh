@@ -176,6 +176,16 @@ else
     say "embed: wrote models/embed/$(basename "$EMBED"), sha256 ok"
 fi
 
+# The router's default: the same model fine-tuned for tool routing
+# (models/recipe/finetune_embedding.py), tracked in git; checked, never rebuilt here.
+TOOLS_EMBED="$EMBED_DIR/minilm-l6-tools-f16.gguf"
+tools_sum="$(awk -v f="$(basename "$TOOLS_EMBED")" '$2 == f || $2 == "*" f { print $1 }' "$SUMS")"
+[[ -n "$tools_sum" ]] || die "no entry for $(basename "$TOOLS_EMBED") in $SUMS"
+[[ -f "$TOOLS_EMBED" ]] || die "missing models/embed/$(basename "$TOOLS_EMBED") (it is in git: git checkout -- models/embed)"
+[[ "$(sum_of "$TOOLS_EMBED")" == "$tools_sum" ]] \
+    || die "models/embed/$(basename "$TOOLS_EMBED"): sha256 does not match SHA256SUMS (a Git LFS pointer or a partial checkout?)"
+say "embed: models/embed/$(basename "$TOOLS_EMBED") present, sha256 ok"
+
 # ---------------------------------------------------------------- MCP servers
 # Two reference MCP servers from npm (filesystem over stdio, "everything" over
 # streamable HTTP) for the agent-layer tests, and the MCP SDK that runs

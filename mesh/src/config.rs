@@ -446,7 +446,7 @@ impl Default for ToolRouting {
         Self {
             route_above: 8,
             embedder: EmbedderConfig {
-                model: models_dir().join("embed/all-minilm-l6-v2-f16.gguf"),
+                model: models_dir().join("embed/minilm-l6-tools-f16.gguf"),
                 threads: 1,
                 ..EmbedderConfig::default()
             },

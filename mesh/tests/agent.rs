@@ -313,7 +313,7 @@ async fn each_agent_step_is_routed_and_keeps_the_tools_it_called() {
     cfg.agent.catalog_files = vec![root().join("models/fixtures/catalog.jsonl")];
     cfg.tool_routing.route_above = 8;
     cfg.tool_routing.router.top_k = 3;
-    cfg.tool_routing.embedder.model = root().join("models/embed/all-minilm-l6-v2-f16.gguf");
+    cfg.tool_routing.embedder.model = root().join("models/embed/minilm-l6-tools-f16.gguf");
     let (base, _stop) = common::in_process(cfg).await;
     let c = reqwest::Client::new();
     let input = "What is the weather in Oslo right now?";

@@ -39,7 +39,7 @@ async fn node() -> (String, tokio::sync::oneshot::Sender<()>) {
         }],
         ..NodeConfig::default()
     };
-    cfg.tool_routing.embedder.model = models().join("embed/all-minilm-l6-v2-f16.gguf");
+    cfg.tool_routing.embedder.model = models().join("embed/minilm-l6-tools-f16.gguf");
     common::in_process(cfg).await
 }
 
