@@ -384,6 +384,12 @@ struct UpArgs {
     /// sequence's prefix; every prompt then restores from pages or prefills.
     #[arg(long)]
     no_keep_resident: bool,
+    /// Most KV kept on each tier's device for finished sequences, in MiB
+    /// (`keep_resident_mib`): past it the least recently used kept prefix leaves the device
+    /// first and comes back from its host-RAM pages when asked for. Default: the slots
+    /// bound it.
+    #[arg(long, value_name = "MIB")]
+    kv_keep_mib: Option<u64>,
     /// Serve `POST /v1/debug/crash`, which crashes one of the node's actors, for failure
     /// tests; requests must carry the token in `MESH_FAULT_TOKEN` (at least 16 characters)
     /// as `x-mesh-fault-token`. Never on a production node.
@@ -473,6 +479,9 @@ fn node_config(a: &UpArgs) -> anyhow::Result<NodeConfig> {
         }
         if a.no_keep_resident {
             t.keep_resident = false;
+        }
+        if let Some(m) = a.kv_keep_mib {
+            t.keep_resident_mib = Some(m);
         }
     }
     Ok(cfg)

@@ -333,6 +333,13 @@ impl Default for Metrics {
     }
 }
 
+/// Label: a tier and a phase of its engine steps.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct StepLabel {
+    model: String,
+    phase: &'static str,
+}
+
 /// Label: model and storage tier.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct TierLabel {
@@ -670,7 +677,7 @@ impl Collector for NodeCollector {
             ),
             (
                 "kv_resident_dropped_tokens",
-                "Tokens of KV kept in a slot that left the tier's device when the slot took another prompt (their prompt pages stay in host RAM)",
+                "Tokens of KV kept in a slot that left the tier's device when the slot took another prompt or the keep budget was exceeded (their prompt pages stay in host RAM)",
                 |s| s.resident_dropped_tokens.load(Relaxed),
             ),
             (
@@ -687,6 +694,36 @@ impl Collector for NodeCollector {
         for (name, help, get) in resident_counters {
             let rows: Vec<_> = hw.iter().map(|(n, s)| (m(n), get(s))).collect();
             family(&mut enc, name, help, true, &rows)?;
+        }
+        // Where each tier's engine thread spends its steps.
+        let steps: Vec<_> = hw
+            .iter()
+            .map(|(n, s)| (m(n), s.steps.load(Relaxed)))
+            .collect();
+        family(
+            &mut enc,
+            "tier_steps",
+            "Engine steps (llama_decode calls) of the tier",
+            true,
+            &steps,
+        )?;
+        if !hw.is_empty() {
+            let mut f = enc.encode_descriptor(
+                "tier_step_seconds",
+                "Time the tier's engine thread spent in each phase of its steps: schedule (batch building), draft (draft-model decodes), decode (the model's decode until its results are on the host), sample (choosing tokens), emit (text, stop strings, events), publish (new KV pages)",
+                None,
+                MetricType::Counter,
+            )?;
+            for (n, s) in &hw {
+                for (i, phase) in mesh_tiers::STEP_PHASES.iter().enumerate() {
+                    let secs = s.step_ns[i].load(Relaxed) as f64 / 1e9;
+                    let labels = StepLabel {
+                        model: n.clone(),
+                        phase,
+                    };
+                    ConstCounter::new(secs).encode(f.encode_family(&labels)?)?;
+                }
+            }
         }
         // Hardware counters per tier: whether they run, always; the totals only where they
         // do (absent, not zero, where the kernel gives no perf events).

@@ -58,6 +58,11 @@ pub struct EngineConfig {
     /// of the prompt. Needs one KV stream per sequence (ignored with `kv_unified`, where
     /// kept cells would crowd out other sequences).
     pub keep_resident: bool,
+    /// Most KV kept on the device for finished sequences (`keep_resident`), in MiB: past
+    /// it the least recently used kept prefix leaves the device first (its prompt pages stay
+    /// in host RAM and bring it back when asked for). Unset: only the slots bound it
+    /// (`n_ctx` cells in all); a kept prefix then leaves when its slot takes another prompt.
+    pub keep_resident_mib: Option<u64>,
     /// Prefix KV pages: reuse the KV of prompt prefixes seen before.
     pub kv_pages: KvPagesConfig,
     /// Layers (and their KV) offloaded to a GPU when llama.cpp has one (a backend module was
@@ -305,6 +310,7 @@ impl Default for EngineConfig {
             kv_type: KvType::F16,
             kv_unified: false,
             keep_resident: true,
+            keep_resident_mib: None,
             kv_pages: KvPagesConfig::default(),
             gpu_layers: GpuLayers::All,
             gpu: None,

@@ -4,7 +4,7 @@ use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::mpsc as std_mpsc;
 use std::sync::{Arc, OnceLock};
 use std::thread::JoinHandle;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use llama_cpp_2::context::params::{KvCacheType, LlamaContextParams};
 use llama_cpp_2::context::LlamaContext;
@@ -20,7 +20,7 @@ use crate::chat;
 use crate::kvcache::{KvCache, PromptPages, ReuseStats};
 use crate::markers::Markers;
 use crate::plan::{self, SlotView, Work};
-use crate::sampler::{allowed_argmax, DraftSampler, RequestSampler};
+use crate::sampler::{allowed_argmax, top2, DraftSampler, RequestSampler};
 use crate::speculative;
 use crate::stop::StopMatcher;
 use crate::{
@@ -128,7 +128,8 @@ pub struct EngineStats {
     /// Prompt tokens reused in place from a slot's kept KV instead of prefilled.
     pub resident_tokens: AtomicU64,
     /// Tokens of KV kept in a slot that left the device when the slot took another prompt
-    /// (the least recently used slot goes first); their prompt pages stay in host RAM.
+    /// (the least recently used slot goes first) or the keep budget was exceeded
+    /// (`EngineConfig::keep_resident_mib`); their prompt pages stay in host RAM.
     pub resident_dropped_tokens: AtomicU64,
     /// Requests whose prompt prefix was copied from another running sequence's KV on the
     /// engine's own device (`llama_memory_seq_cp`), the nearest level of the page hierarchy.
@@ -142,6 +143,24 @@ pub struct EngineStats {
     pub draft_resident_tokens: AtomicU64,
     /// Hardware counters of the engine's threads (absent where the kernel gives none).
     pub hw: crate::hwcount::HwStats,
+    /// Nanoseconds the engine thread spent in each phase of its steps, by [`STEP_PHASES`].
+    pub step_ns: [AtomicU64; STEP_PHASES.len()],
+}
+
+/// The phases of an engine step, in order: building the batch (planning, prompt chunks),
+/// the draft model's decodes (speculative tiers), the model's decode (until its results are
+/// on the host: on a GPU the whole computation), choosing tokens (sampling, verifying
+/// drafts), emitting them (text, stop strings, events), and publishing new KV pages.
+pub const STEP_PHASES: [&str; 6] = ["schedule", "draft", "decode", "sample", "emit", "publish"];
+
+/// Indices into [`EngineStats::step_ns`].
+mod phase {
+    pub(super) const SCHEDULE: usize = 0;
+    pub(super) const DRAFT: usize = 1;
+    pub(super) const DECODE: usize = 2;
+    pub(super) const SAMPLE: usize = 3;
+    pub(super) const EMIT: usize = 4;
+    pub(super) const PUBLISH: usize = 5;
 }
 
 /// What a loaded model is.
@@ -266,6 +285,11 @@ impl Engine {
                 .name(format!("engine-{}", cfg.name))
                 .spawn(move || {
                     let _exit = ExitGuard(Some(exit_tx));
+                    // Started before this thread binds itself to the tier's cores, so the
+                    // pages are cut where the node's other threads run.
+                    let worker = (cfg.kv_pages.block > 0)
+                        .then(|| crate::kvcache::Worker::start("kv-publish"))
+                        .flatten();
                     cfg.thread_setup.run();
                     // Before llama.cpp starts its compute threads, so that they are counted.
                     let hw = crate::hwcount::HwCounters::open(&stats.hw);
@@ -286,7 +310,7 @@ impl Engine {
                         },
                         _ => None,
                     };
-                    let kv = start_pages(&model, &mut ctx, &cfg);
+                    let kv = start_pages(&model, &mut ctx, &cfg, worker);
                     let handles = kv.as_ref().map(|k| PageHandles {
                         store: k.store().clone(),
                         reuse: k.stats().clone(),
@@ -581,6 +605,7 @@ fn start_pages(
     model: &LlamaModel,
     ctx: &mut LlamaContext<'_>,
     cfg: &EngineConfig,
+    worker: Option<crate::kvcache::Worker>,
 ) -> Option<KvCache> {
     if cfg.kv_pages.block == 0 {
         return None;
@@ -607,6 +632,7 @@ fn start_pages(
         layout,
         cfg.kv_far_memory.clone(),
         opener,
+        worker,
     ) {
         Ok(k) => Some(k),
         Err(e) => {
@@ -787,6 +813,8 @@ struct Loop<'m> {
     /// KV kept in each free slot by its last sequence (`EngineConfig::keep_resident`).
     resident: Vec<Option<Resident>>,
     keep_resident: bool,
+    /// Most tokens of kept KV on the device (`EngineConfig::keep_resident_mib`).
+    keep_budget: Option<usize>,
     /// The model's memory cannot drop a suffix (recurrent or hybrid): no prefix copies.
     recurrent: bool,
 }
@@ -820,6 +848,16 @@ impl<'m> Loop<'m> {
             hw: None,
             resident: (0..cfg.n_seq_max).map(|_| None).collect(),
             keep_resident: cfg.keep_resident && !cfg.kv_unified,
+            keep_budget: cfg.keep_resident_mib.map(|mib| {
+                let shape = crate::shape::ModelShape {
+                    file_bytes: 0,
+                    n_layer: model.n_layer(),
+                    n_embd: model.n_embd().max(0) as u32,
+                    n_head: model.n_head(),
+                    n_head_kv: model.n_head_kv(),
+                };
+                ((mib << 20) / shape.kv_bytes_per_cell(cfg.kv_type).max(1)) as usize
+            }),
             recurrent: model.is_recurrent() || model.is_hybrid(),
         }
     }
@@ -1084,6 +1122,38 @@ impl<'m> Loop<'m> {
         worth_copying(n, in_place).then_some((src, n))
     }
 
+    /// Drops kept KV from the device, least recently used first, until what stays fits the
+    /// keep budget (`EngineConfig::keep_resident_mib`); its prompt pages, published when it
+    /// was prefilled, bring it back from host RAM.
+    fn keep_within_budget(&mut self) {
+        let Some(budget) = self.keep_budget else {
+            return;
+        };
+        let kept: Vec<plan::Kept> = self
+            .resident
+            .iter()
+            .enumerate()
+            .filter_map(|(slot, r)| {
+                r.as_ref().map(|r| plan::Kept {
+                    slot,
+                    tokens: r.tokens.len(),
+                    used: r.used,
+                })
+            })
+            .collect();
+        for slot in plan::over_keep_budget(&kept, budget) {
+            let tokens = self.resident[slot].as_ref().map_or(0, |r| r.tokens.len());
+            self.forget(slot);
+            self.stats
+                .resident_dropped_tokens
+                .fetch_add(tokens as u64, Ordering::Relaxed);
+            debug!(
+                slot,
+                tokens, "kept KV left the device (over the keep budget)"
+            );
+        }
+    }
+
     /// Forgets what a slot keeps (its KV state is not known to match its tokens).
     fn forget(&mut self, slot: usize) {
         self.resident[slot] = None;
@@ -1109,10 +1179,14 @@ impl<'m> Loop<'m> {
     /// request, `keep_resident`); returns it so the caller can still report.
     fn free(&mut self, i: usize) -> Option<Slot> {
         let mut s = self.slots[i].take()?;
-        // A sequence that ends at its first token publishes before its KV goes.
+        // A sequence that ends at its first token publishes before its KV goes; its end is
+        // reported once its pages are stored.
         self.publish(i, &mut s);
         self.unpend(&s);
         s.pages.clear_pending();
+        if let Some(kv) = &self.kv {
+            kv.wait(&s.pages);
+        }
         let prompt_len = s.req.prompt.len();
         let keep = kept_tokens(s.prefilled, prompt_len, s.generated);
         let kept = self.keep_resident
@@ -1137,6 +1211,7 @@ impl<'m> Loop<'m> {
                 used: self.next_age,
             });
             self.next_age += 1;
+            self.keep_within_budget();
         } else {
             self.forget(i);
         }
@@ -1149,6 +1224,7 @@ impl<'m> Loop<'m> {
     }
 
     fn step(&mut self) {
+        let start = Instant::now();
         let views: Vec<SlotView> = self
             .slots
             .iter()
@@ -1173,7 +1249,9 @@ impl<'m> Loop<'m> {
         if work.is_empty() {
             return;
         }
+        let drafting = Instant::now();
         self.draft(&work);
+        let drafted = Instant::now();
         self.batch.clear();
         let mut rows: Vec<(usize, i32)> = Vec::new();
         let mut prompt_done: Vec<usize> = Vec::new();
@@ -1234,7 +1312,15 @@ impl<'m> Loop<'m> {
         self.stats
             .prompt_tokens
             .fetch_add(prompt_tokens, Ordering::Relaxed);
-        if let Err(e) = self.ctx.decode(&mut self.batch) {
+        let decoding = Instant::now();
+        self.add_time(phase::SCHEDULE, decoding - start - (drafted - drafting));
+        self.add_time(phase::DRAFT, drafted - drafting);
+        let decoded = self.ctx.decode(&mut self.batch);
+        // Waits here for a device's results, so that the time is the decode's.
+        self.ctx.synchronize();
+        let sampling = Instant::now();
+        self.add_time(phase::DECODE, sampling - decoding);
+        if let Err(e) = decoded {
             warn!(error = %e, "decode failed; failing the sequences of this batch");
             let mut failed: Vec<usize> = work
                 .iter()
@@ -1264,6 +1350,7 @@ impl<'m> Loop<'m> {
                 }
             }
         }
+        let emitted = self.stats.step_ns[phase::EMIT].load(Ordering::Relaxed);
         for (slot, row) in rows {
             let (drafts, dists) = self.slots[slot]
                 .as_mut()
@@ -1282,12 +1369,24 @@ impl<'m> Loop<'m> {
                 self.verify(slot, row, &drafts, &dists);
             }
         }
+        let publishing = Instant::now();
+        let emit_ns = self.stats.step_ns[phase::EMIT].load(Ordering::Relaxed) - emitted;
+        self.add_time(
+            phase::SAMPLE,
+            (publishing - sampling).saturating_sub(Duration::from_nanos(emit_ns)),
+        );
         for slot in prompt_done {
             if let Some(mut s) = self.slots[slot].take() {
                 self.publish(slot, &mut s);
                 self.slots[slot] = Some(s);
             }
         }
+        self.add_time(phase::PUBLISH, publishing.elapsed());
+    }
+
+    /// Adds `d` to the time of step phase `i`.
+    fn add_time(&self, i: usize, d: Duration) {
+        self.stats.step_ns[i].fetch_add(d.as_nanos() as u64, Ordering::Relaxed);
     }
 
     /// Publishes the new pages of `s` (in slot `slot`) when they are due, and releases its
@@ -1296,8 +1395,8 @@ impl<'m> Loop<'m> {
         if !std::mem::take(&mut s.publish_due) {
             return;
         }
-        if let Some(kv) = &self.kv {
-            kv.publish(&self.ctx, slot as i32, &s.pages);
+        if let Some(kv) = &mut self.kv {
+            kv.publish(&self.ctx, slot as i32, &mut s.pages);
         }
         self.unpend(s);
         s.pages.clear_pending();
@@ -1499,7 +1598,8 @@ impl<'m> Loop<'m> {
     /// The token plain decoding would choose from logits row `row`: the request's sampler
     /// chain, or `</think>` when the reasoning budget is spent. Returns it with its margin.
     fn choose(&mut self, slot: usize, row: i32) -> (LlamaToken, f32) {
-        let margin = top2_margin(self.ctx.get_logits_ith(row));
+        let (argmax, first, second) = top2(self.ctx.get_logits_ith(row));
+        let margin = margin_of(first, second);
         let spent = self.budget_spent(slot);
         let s = self.slots[slot].as_mut().expect("sampled slot exists");
         let tok = match self.think {
@@ -1512,7 +1612,7 @@ impl<'m> Loop<'m> {
                 close
             }
             _ => {
-                let (tok, refused) = s.sampler.sample(&self.ctx, row);
+                let (tok, refused) = s.sampler.sample(&self.ctx, row, argmax as i32);
                 if refused {
                     self.stats.grammar_refusals.fetch_add(1, Ordering::Relaxed);
                 }
@@ -1536,7 +1636,8 @@ impl<'m> Loop<'m> {
         if self.budget_spent(slot) {
             return self.choose(slot, row);
         }
-        let margin = top2_margin(self.ctx.get_logits_ith(row));
+        let (_, first, second) = top2(self.ctx.get_logits_ith(row));
+        let margin = margin_of(first, second);
         let s = self.slots[slot].as_mut().expect("sampled slot exists");
         let p = s.sampler.distribution(&self.ctx, row);
         let ds = s
@@ -1564,6 +1665,14 @@ impl<'m> Loop<'m> {
     /// event, and the end of the sequence. Returns whether the sequence finished (its slot
     /// is then free).
     fn emit(&mut self, slot: usize, tok: LlamaToken, margin: f32) -> bool {
+        let start = Instant::now();
+        let finished = self.emit_token(slot, tok, margin);
+        self.add_time(phase::EMIT, start.elapsed());
+        finished
+    }
+
+    /// [`Self::emit`]'s work, untimed.
+    fn emit_token(&mut self, slot: usize, tok: LlamaToken, margin: f32) -> bool {
         let model = self.model;
         let s = self.slots[slot].as_mut().expect("emitting slot exists");
         s.out.push(tok.0);
@@ -1655,19 +1764,11 @@ fn think_tokens(model: &LlamaModel) -> Option<(LlamaToken, LlamaToken)> {
     Some((one(chat::THINK)?, one(chat::END_THINK)?))
 }
 
-/// Difference between the two largest logits (= their log-probability gap).
-fn top2_margin(logits: &[f32]) -> f32 {
-    let (mut a, mut b) = (f32::NEG_INFINITY, f32::NEG_INFINITY);
-    for &x in logits {
-        if x > a {
-            b = a;
-            a = x;
-        } else if x > b {
-            b = x;
-        }
-    }
-    if b.is_finite() {
-        a - b
+/// Difference between the two largest logits (= their log-probability gap), from
+/// [`top2`]'s largest and second largest.
+fn margin_of(first: f32, second: f32) -> f32 {
+    if second.is_finite() {
+        first - second
     } else {
         f32::INFINITY
     }

@@ -7,14 +7,21 @@
 //!          (≥ 1 prompt token is always prefilled, for the logits of the first output token;
 //!          skipped when the slot already holds as much of the prompt in place, kept from
 //!          its previous request: see `EngineConfig::keep_resident`)
-//! publish: after the last prompt chunk: state_seq_get ─▶ parse ─▶ page i for each new full block ─▶ store.put
+//! publish: after the first token:  state_seq_get ─▶ (publisher thread) parse ─▶ page i for each new full block ─▶ store.put
 //! ```
+//! The engine thread only copies the sequence's state out of the context (into a reused
+//! buffer); parsing it and cutting the pages (two more passes over the state, about 58 MB
+//! for a 447-token prompt on a Llama-3.1-8B shape) run on the cache's publisher thread while
+//! the engine goes on decoding. A restore that needs pages still being cut waits for them,
+//! and a finished sequence's pages are stored before its end is reported.
 //! A restore that llama.cpp rejects clears the sequence and the prompt is prefilled from
 //! scratch; pages whose checksum fails are refused by the store (recomputed, never used).
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
-use std::sync::Arc;
+use std::sync::mpsc as std_mpsc;
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::thread::JoinHandle;
 
 use bytes::Bytes;
 use llama_cpp_2::context::session::LlamaStateSeqFlags;
@@ -50,6 +57,178 @@ pub struct KvCache {
     salts: HashMap<String, Salt>,
     store: Arc<dyn PageBackend>,
     stats: Arc<ReuseStats>,
+    publisher: Publisher,
+}
+
+/// Jobs the engine hands the publisher thread before it blocks (each holds a sequence's
+/// whole state: the bound keeps memory to a few states when prompts finish in a burst).
+const PUBLISH_QUEUE: usize = 2;
+/// State buffers kept for reuse (a new one is written page fault by page fault).
+const SPARE_BUFFERS: usize = 2;
+
+/// What to cut from a sequence's state.
+struct PublishJob {
+    seq: i32,
+    salt: Salt,
+    /// Page ids of the new pages and their block index in the prompt.
+    pages: Vec<(usize, PageId)>,
+}
+
+/// What the engine and the publisher thread share.
+#[derive(Debug, Default)]
+struct PublishState {
+    /// The last job finished.
+    done: Mutex<u64>,
+    finished: Condvar,
+    /// Pages being published, with the job that publishes each.
+    inflight: Mutex<HashMap<PageId, u64>>,
+    spare: Mutex<Vec<Vec<u8>>>,
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+impl PublishState {
+    /// Blocks until job `n` has finished (or the publisher thread has stopped).
+    fn wait(&self, n: u64) {
+        let mut done = lock(&self.done);
+        while *done < n {
+            done = self
+                .finished
+                .wait(done)
+                .unwrap_or_else(std::sync::PoisonError::into_inner);
+        }
+    }
+
+    /// Records job `n` as finished: its pages leave the in-flight set, its buffer is kept
+    /// for reuse.
+    fn finish(&self, n: u64, pages: &[(usize, PageId)], blob: Vec<u8>) {
+        {
+            let mut inflight = lock(&self.inflight);
+            for (_, id) in pages {
+                if inflight.get(id) == Some(&n) {
+                    inflight.remove(id);
+                }
+            }
+        }
+        let mut spare = lock(&self.spare);
+        if blob.capacity() > 0 && spare.len() < SPARE_BUFFERS {
+            spare.push(blob);
+        }
+        drop(spare);
+        let mut done = lock(&self.done);
+        *done = (*done).max(n);
+        self.finished.notify_all();
+    }
+
+    /// The last job that publishes any of `ids`, if one is in flight.
+    fn last_job_of(&self, ids: &[PageId]) -> Option<u64> {
+        let inflight = lock(&self.inflight);
+        if inflight.is_empty() {
+            return None;
+        }
+        ids.iter().filter_map(|id| inflight.get(id)).copied().max()
+    }
+}
+
+/// A job's end, recorded when it is dropped: after the job, or while a panic unwinds out of
+/// it, so no one waits for a job that died.
+struct Finish {
+    state: Arc<PublishState>,
+    n: u64,
+    pages: Vec<(usize, PageId)>,
+    blob: Vec<u8>,
+}
+
+impl Drop for Finish {
+    fn drop(&mut self) {
+        self.state
+            .finish(self.n, &self.pages, std::mem::take(&mut self.blob));
+    }
+}
+
+type Task = Box<dyn FnOnce() + Send>;
+
+/// A thread that runs an engine's background tasks (cutting and storing pages) in order.
+/// The engine thread starts it before binding itself to its tier's cores, so it runs
+/// where the node's other threads run, not on the cores of llama.cpp's compute threads.
+pub struct Worker {
+    tx: Option<std_mpsc::SyncSender<Task>>,
+    thread: Option<JoinHandle<()>>,
+}
+
+impl Worker {
+    /// Starts the thread (`None`, with a warning, when the OS refuses one).
+    pub fn start(name: &str) -> Option<Self> {
+        let (tx, rx) = std_mpsc::sync_channel::<Task>(PUBLISH_QUEUE);
+        match std::thread::Builder::new()
+            .name(name.into())
+            .spawn(move || rx.into_iter().for_each(|task| task()))
+        {
+            Ok(thread) => Some(Self {
+                tx: Some(tx),
+                thread: Some(thread),
+            }),
+            Err(e) => {
+                warn!(error = %e, "could not start the KV publisher thread; pages are cut on the engine thread");
+                None
+            }
+        }
+    }
+
+    /// Queues `task` (blocks while the queue is full); gives it back when the thread is gone.
+    fn run(&self, task: Task) -> Result<(), Task> {
+        match &self.tx {
+            Some(tx) => tx.send(task).map_err(|std_mpsc::SendError(t)| t),
+            None => Err(task),
+        }
+    }
+}
+
+impl Drop for Worker {
+    fn drop(&mut self) {
+        // Closing the queue ends the thread once it has run what it holds.
+        self.tx = None;
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+/// The publishing side of one cache.
+struct Publisher {
+    worker: Option<Worker>,
+    state: Arc<PublishState>,
+    next: u64,
+}
+
+/// Cuts `job`'s state into its new pages and stores them; returns how many were stored.
+fn cut(block: usize, job: &PublishJob, blob: &[u8], store: &dyn PageBackend) -> usize {
+    let kv = match codec::parse(blob) {
+        Ok(parsed) => parsed,
+        Err(e) => {
+            debug!(seq = job.seq, error = %e, "sequence state not pageable; nothing published");
+            return 0;
+        }
+    };
+    let new: Vec<(PageMeta, Bytes)> = job
+        .pages
+        .iter()
+        .filter_map(|&(i, id)| {
+            let meta = PageMeta {
+                id,
+                salt: job.salt,
+                block: block as u32,
+                index: i as u32,
+            };
+            kv.page(i, block)
+                .map(|payload| (meta, Bytes::from(payload)))
+        })
+        .collect();
+    let n = new.len();
+    store.put(new);
+    n
 }
 
 impl std::fmt::Debug for KvCache {
@@ -61,13 +240,23 @@ impl std::fmt::Debug for KvCache {
 }
 
 fn seq_state(ctx: &LlamaContext<'_>, seq: i32) -> Vec<u8> {
+    let mut buf = Vec::new();
+    seq_state_into(ctx, seq, &mut buf);
+    buf
+}
+
+/// Writes the state of `seq` into `buf` (its allocation reused when large enough).
+fn seq_state_into(ctx: &LlamaContext<'_>, seq: i32, buf: &mut Vec<u8>) {
     let flags = LlamaStateSeqFlags::empty();
     let size = ctx.state_seq_get_size_ext(seq, flags);
-    let mut buf = vec![0u8; size];
-    // SAFETY: `buf` has exactly the size llama.cpp reported for this sequence.
-    let n = unsafe { ctx.state_seq_get_data_ext(buf.as_mut_ptr(), seq, flags) };
-    buf.truncate(n);
-    buf
+    buf.clear();
+    buf.reserve(size);
+    // SAFETY: `buf` has room for the size llama.cpp reported for this sequence, and
+    // llama.cpp writes the `n` bytes it returns (at most that size) before `set_len`.
+    unsafe {
+        let n = ctx.state_seq_get_data_ext(buf.as_mut_ptr(), seq, flags);
+        buf.set_len(n.min(size));
+    }
 }
 
 /// What a request's prompt maps to in the page space.
@@ -79,6 +268,8 @@ pub struct PromptPages {
     pub restored: usize,
     salt: Option<Salt>,
     published: bool,
+    /// The publisher job storing this prompt's pages (0: none).
+    job: u64,
 }
 
 impl PromptPages {
@@ -107,6 +298,7 @@ impl KvCache {
         layout: Layout,
         far: Option<Arc<dyn FarMemory>>,
         opener: Option<(&dyn PageStoreOpener, &str)>,
+        worker: Option<Worker>,
     ) -> std::io::Result<Self> {
         let model = ModelFingerprint::of_file(model_path)?;
         let scfg = StoreConfig {
@@ -120,13 +312,19 @@ impl KvCache {
             Some((o, namespace)) => o.open(namespace, scfg),
             None => Arc::new(PageStore::open(scfg)),
         };
+        let stats = Arc::new(ReuseStats::default());
         Ok(Self {
             block: cfg.block,
             base: SaltBase::new(&model, &layout.descriptor()),
+            publisher: Publisher {
+                worker,
+                state: Arc::default(),
+                next: 0,
+            },
             layout,
             salts: HashMap::new(),
             store,
-            stats: Arc::new(ReuseStats::default()),
+            stats,
         })
     }
 
@@ -179,7 +377,13 @@ impl KvCache {
             restored: 0,
             salt: Some(salt),
             published: false,
+            job: 0,
         };
+        // Pages another sequence is still publishing are waited for (the engine released
+        // their claim when it handed them to the publisher thread).
+        if let Some(n) = self.publisher.state.last_job_of(&plan.ids[..usable]) {
+            self.publisher.state.wait(n);
+        }
         // Pages the sequence holds in place need no restore (nor publishing when stored):
         // the store answers how many pages it has and sends them only when they cover more.
         let (stored, pages) = self
@@ -259,8 +463,10 @@ impl KvCache {
     }
 
     /// Publishes the prompt's full blocks not stored yet (call once the prompt is prefilled).
-    /// Blocks another sequence already stored are counted as deduplicated.
-    pub fn publish(&self, ctx: &LlamaContext<'_>, seq: i32, plan: &PromptPages) {
+    /// Blocks another sequence already stored are counted as deduplicated. The state is
+    /// read here; the pages are cut and stored on the publisher thread ([`Self::wait`]
+    /// waits for them).
+    pub fn publish(&mut self, ctx: &LlamaContext<'_>, seq: i32, plan: &mut PromptPages) {
         let Some(salt) = plan.salt else { return };
         let from = plan.restored.min(plan.ids.len());
         if from == plan.ids.len() {
@@ -275,30 +481,53 @@ impl KvCache {
         if dup == held.len() {
             return;
         }
-        let kv = match codec::parse(&seq_state(ctx, seq)) {
-            Ok(parsed) => parsed,
-            Err(e) => {
-                debug!(seq, error = %e, "sequence state not pageable; nothing published");
-                return;
-            }
-        };
-        let mut new = vec![];
-        for (i, held) in (from..plan.ids.len()).zip(held) {
-            if held {
-                continue;
-            }
-            let meta = PageMeta {
-                id: plan.ids[i],
-                salt,
-                block: self.block as u32,
-                index: i as u32,
-            };
-            if let Some(payload) = kv.page(i, self.block) {
-                new.push((meta, Bytes::from(payload)));
+        let pages: Vec<(usize, PageId)> = (from..plan.ids.len())
+            .zip(held)
+            .filter(|(_, held)| !held)
+            .map(|(i, _)| (i, plan.ids[i]))
+            .collect();
+        let state = self.publisher.state.clone();
+        let mut blob = lock(&state.spare).pop().unwrap_or_default();
+        seq_state_into(ctx, seq, &mut blob);
+        self.publisher.next += 1;
+        let n = self.publisher.next;
+        {
+            let mut inflight = lock(&state.inflight);
+            for (_, id) in &pages {
+                inflight.insert(*id, n);
             }
         }
-        self.stats.published.fetch_add(new.len() as u64, Relaxed);
-        self.store.put(new);
+        plan.job = n;
+        let job = PublishJob { seq, salt, pages };
+        let (block, store, stats) = (self.block, self.store.clone(), self.stats.clone());
+        // The task owns its `Finish`: run or dropped unrun, the job is recorded as ended.
+        let done = Finish {
+            state,
+            n,
+            pages: job.pages.clone(),
+            blob,
+        };
+        let task: Task = Box::new(move || {
+            let published = cut(block, &job, &done.blob, store.as_ref());
+            stats.published.fetch_add(published as u64, Relaxed);
+            drop(done);
+        });
+        // Without the thread (it could not start, or a task panicked): here.
+        let task = match &self.publisher.worker {
+            Some(w) => match w.run(task) {
+                Ok(()) => return,
+                Err(task) => task,
+            },
+            None => task,
+        };
+        task();
+    }
+
+    /// Waits until the pages `plan` handed to the publisher thread are stored.
+    pub fn wait(&self, plan: &PromptPages) {
+        if plan.job > 0 {
+            self.publisher.state.wait(plan.job);
+        }
     }
 
     /// The salt base (advertised so routers can compute page ids).
@@ -326,7 +555,70 @@ pub fn worth_waiting(prompt_len: usize, stored: usize, coming: usize) -> bool {
 
 #[cfg(test)]
 mod tests {
-    use super::worth_waiting;
+    use super::*;
+
+    #[test]
+    fn a_wait_returns_once_its_job_and_the_jobs_before_it_finished() {
+        let state = Arc::new(PublishState::default());
+        let id = PageId([7; 32]);
+        lock(&state.inflight).insert(id, 2);
+        assert_eq!(state.last_job_of(&[id]), Some(2));
+        let waiter = {
+            let state = state.clone();
+            std::thread::spawn(move || state.wait(2))
+        };
+        state.finish(1, &[], Vec::new());
+        std::thread::sleep(std::time::Duration::from_millis(20));
+        assert!(!waiter.is_finished(), "job 2 is not done yet");
+        state.finish(2, &[(0, id)], vec![0; 4]);
+        waiter.join().unwrap();
+        assert_eq!(state.last_job_of(&[id]), None);
+        assert_eq!(lock(&state.spare).len(), 1, "the buffer is kept for reuse");
+    }
+
+    #[test]
+    fn a_wait_returns_when_its_job_panics() {
+        let state = Arc::new(PublishState::default());
+        let waiter = {
+            let state = state.clone();
+            std::thread::spawn(move || state.wait(5))
+        };
+        let dying = {
+            let state = state.clone();
+            std::thread::spawn(move || {
+                let _done = Finish {
+                    state,
+                    n: 5,
+                    pages: vec![],
+                    blob: vec![],
+                };
+                panic!("a publish job dies");
+            })
+        };
+        assert!(dying.join().is_err());
+        waiter.join().unwrap();
+    }
+
+    #[test]
+    fn tasks_run_on_the_worker_in_order_and_come_back_once_it_is_gone() {
+        let w = Worker::start("kv-publish-test").unwrap();
+        let seen = Arc::new(Mutex::new(vec![]));
+        for i in 0..5 {
+            let seen = seen.clone();
+            assert!(w.run(Box::new(move || lock(&seen).push(i))).is_ok());
+        }
+        drop(w);
+        assert_eq!(
+            *lock(&seen),
+            vec![0, 1, 2, 3, 4],
+            "dropping runs what was queued"
+        );
+        let dead = Worker {
+            tx: None,
+            thread: None,
+        };
+        assert!(dead.run(Box::new(|| {})).is_err());
+    }
 
     #[test]
     fn waits_only_for_a_substantial_share_of_the_prompt() {

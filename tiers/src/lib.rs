@@ -50,7 +50,7 @@ pub use config::{
     DraftAcceptance, DraftConfig, EngineConfig, GpuLayers, KvPagesConfig, KvType, PageStoreRef,
     ThreadSetup,
 };
-pub use engine::{backend, Engine, EngineStats, ModelInfo, PageHandles};
+pub use engine::{backend, Engine, EngineStats, ModelInfo, PageHandles, STEP_PHASES};
 pub use error::TierError;
 pub use request::{FinishReason, GenerateRequest, SamplingParams, TokenEvent, Usage};
 pub use shape::{

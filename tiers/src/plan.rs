@@ -78,6 +78,34 @@ pub fn reservation(prompt_len: usize, max_tokens: usize, max_seq_len: usize) -> 
     (prompt_len + max_tokens).min(max_seq_len)
 }
 
+/// A finished sequence's KV kept in a slot on the device.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Kept {
+    /// The slot holding it.
+    pub slot: usize,
+    /// Tokens (KV cells) it holds.
+    pub tokens: usize,
+    /// When it was last used (larger is later).
+    pub used: u64,
+}
+
+/// The slots whose kept KV leaves the device so that what stays holds at most `budget`
+/// tokens: least recently used first, and no more than needed.
+pub fn over_keep_budget(kept: &[Kept], budget: usize) -> Vec<usize> {
+    let mut total: usize = kept.iter().map(|k| k.tokens).sum();
+    let mut order: Vec<&Kept> = kept.iter().collect();
+    order.sort_by_key(|k| k.used);
+    let mut out = Vec::new();
+    for k in order {
+        if total <= budget {
+            break;
+        }
+        total -= k.tokens;
+        out.push(k.slot);
+    }
+    out
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -96,6 +124,17 @@ mod tests {
             prompt_len,
             decoding,
         }
+    }
+
+    #[test]
+    fn kept_kv_over_the_budget_leaves_least_recently_used_first() {
+        let k = |slot, tokens, used| Kept { slot, tokens, used };
+        let kept = [k(0, 400, 7), k(1, 300, 2), k(2, 500, 9)];
+        assert_eq!(over_keep_budget(&kept, 1200), Vec::<usize>::new());
+        assert_eq!(over_keep_budget(&kept, 1000), vec![1]);
+        assert_eq!(over_keep_budget(&kept, 800), vec![1, 0]);
+        assert_eq!(over_keep_budget(&kept, 0), vec![1, 0, 2]);
+        assert_eq!(over_keep_budget(&[], 0), Vec::<usize>::new());
     }
 
     #[test]

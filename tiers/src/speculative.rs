@@ -200,14 +200,9 @@ pub fn accept_sampled(p: &[(i32, f32)], q: &[(i32, f32)], x: i32, u: f32, v: f32
     }
 }
 
+/// The first index of the largest logit (llama.cpp's greedy choice).
 pub(crate) fn argmax(logits: &[f32]) -> i32 {
-    let mut best = 0;
-    for (i, &x) in logits.iter().enumerate() {
-        if x > logits[best] {
-            best = i;
-        }
-    }
-    best as i32
+    crate::sampler::top2(logits).0 as i32
 }
 
 impl<'m> Speculative<'m> {

@@ -412,3 +412,53 @@ async fn a_sequence_ending_at_its_first_token_publishes_its_pages() {
     let published = e.pages().unwrap().reuse.published.load(Relaxed) as usize;
     assert_eq!(published, p.len() / 32);
 }
+
+/// A prompt of `n` token ids that shares no prefix with another seed's (the first ids differ).
+fn unshared_prompt(seed: i32, n: usize) -> Vec<i32> {
+    (0..n as i32)
+        .map(|i| 100 + seed * 50 + (i * 7 + seed * 13) % 1900)
+        .collect()
+}
+
+/// Two slots, KV kept in them, and a keep budget that holds one finished sequence but not
+/// two: keeping the second pushes the first off the device (least recently used), and
+/// asking for the first again restores its prefix from host-RAM pages, with the reply it
+/// had. Without the budget both stay.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kept_kv_over_the_keep_budget_leaves_the_device_and_comes_back_from_ram() {
+    let start = |keep_resident_mib| {
+        Engine::start(EngineConfig {
+            keep_resident_mib,
+            ..device_level_config(32)
+        })
+        .expect("engine starts")
+    };
+    let (a, b) = (unshared_prompt(0, 400), unshared_prompt(1, 400));
+
+    let unbounded = start(None);
+    let want = run(&unbounded, &a).await;
+    run(&unbounded, &b).await;
+    let stats = unbounded.stats().clone();
+    assert_eq!(stats.resident_dropped_tokens.load(Relaxed), 0);
+    drop(unbounded);
+
+    // t1's KV takes 1.5 KiB per token at f16: 1 MiB holds 682 tokens, so one kept
+    // sequence (400 prompt tokens and 47 of its 48 answer tokens) and not two.
+    let e = start(Some(1));
+    let stats = e.stats().clone();
+    assert_eq!(run(&e, &a).await, want);
+    assert_eq!(stats.resident_dropped_tokens.load(Relaxed), 0);
+    run(&e, &b).await;
+    assert_eq!(
+        stats.resident_dropped_tokens.load(Relaxed) as usize,
+        a.len() + want.len() - 1,
+        "the first sequence's kept KV left the device"
+    );
+    let reuse = e.pages().unwrap().reuse.clone();
+    let restored = reuse.tokens_reused.load(Relaxed);
+    assert_eq!(run(&e, &a).await, want, "restored from RAM pages");
+    assert_eq!(
+        reuse.tokens_reused.load(Relaxed) - restored,
+        (a.len() as u64 - 1) / 32 * 32
+    );
+}

@@ -41,8 +41,9 @@ pub fn apply(cfg: &PlacementConfig, tiers: &mut [EngineConfig]) -> Option<Placem
     // The node's own threads (tokio workers, transport; every thread that exists now, and
     // those started later from them) go to the cores no tier got, so they never preempt a
     // tier's llama.cpp threads. The engine threads start after this and bind themselves to
-    // their tier's cores; what an engine thread starts (llama.cpp workers, its KV page
-    // writer) inherits the tier's cores.
+    // their tier's cores; what an engine thread starts after that (llama.cpp workers, its
+    // KV page writer) inherits the tier's cores. Its `kv-publish` thread, which cuts pages,
+    // starts before the binding and runs with the node's threads.
     if cfg.mode == PlacementMode::Bind && plan.bound && !plan.node_pus.is_empty() {
         match placement::bind_process(&plan.node_pus) {
             Ok(()) => info!(pus = ?plan.node_pus, "node threads bound"),
