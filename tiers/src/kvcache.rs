@@ -90,7 +90,8 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 }
 
 impl PublishState {
-    /// Blocks until job `n` has finished (or the publisher thread has stopped).
+    /// Blocks until job `n` has ended: run, or dropped unrun when its thread died (its
+    /// [`Finish`] records the end either way).
     fn wait(&self, n: u64) {
         let mut done = lock(&self.done);
         while *done < n {
