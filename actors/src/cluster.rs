@@ -832,6 +832,39 @@ impl Cluster {
         }
     }
 
+    /// Renders and tokenizes a conversation with tier `model`'s chat template on `node`.
+    ///
+    /// Cancel safety: cancel-safe.
+    pub async fn render(
+        &self,
+        node: &str,
+        model: &str,
+        input: &mesh_tiers::format::ChatInput,
+    ) -> Result<crate::tier::Rendered, CallError> {
+        let call = TierCall::Render {
+            model: model.to_owned(),
+            input: serde_json::to_string(input).expect("a chat input serializes"),
+        };
+        match self
+            .ask::<crate::tier::TierProtocol>(node, &call, self.inner.cfg.call_timeout)
+            .await?
+        {
+            TierItem::Rendered {
+                tokens,
+                spec,
+                thinking_open,
+            } => Ok(crate::tier::Rendered {
+                tokens,
+                spec: serde_json::from_str(&spec).map_err(|e| CallError::Lost {
+                    node: node.to_owned(),
+                    reason: format!("unreadable chat format: {e}"),
+                })?,
+                thinking_open,
+            }),
+            other => Err(unexpected(node, &other)),
+        }
+    }
+
     /// Starts a generation on `node`. Resolves when the callee accepted it (its first event
     /// arrived) or refused it; events then stream on the receiver. A broken connection ends
     /// the stream with `Err(CallError::Lost)`. Dropping the receiver cancels the call.

@@ -36,10 +36,29 @@ pub enum TierMsg {
         /// Token ids.
         reply: RpcReplyPort<Vec<i32>>,
     },
+    /// Render a conversation with the tier's chat template and tokenize it.
+    Render {
+        /// The conversation.
+        input: Box<mesh_tiers::format::ChatInput>,
+        /// Token ids, the tier's format and whether the prompt opened reasoning; or why the
+        /// template refused it.
+        reply: RpcReplyPort<Result<Rendered, mesh_tiers::format::FormatError>>,
+    },
     /// The engine thread ended (sent by the actor's own watcher): the actor fails.
     EngineExited,
     /// Fault injection ([`crate::faults`]): end the engine thread as a crash would.
     CrashEngine,
+}
+
+/// A conversation rendered and tokenized by a tier.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Rendered {
+    /// Prompt token ids.
+    pub tokens: Vec<i32>,
+    /// The tier's chat format.
+    pub spec: mesh_tiers::format::FormatSpec,
+    /// The prompt ends inside an open reasoning span.
+    pub thinking_open: bool,
 }
 
 /// What a tier actor reports about itself.
@@ -140,6 +159,14 @@ impl Actor for TierActor {
             TierMsg::Tokenize { parts, reply } => {
                 let _ = reply.send(engine.tokenize_parts(&parts));
             }
+            TierMsg::Render { input, reply } => {
+                let r = engine.render(&input).map(|(tokens, r)| Rendered {
+                    tokens,
+                    spec: engine.format().spec().clone(),
+                    thinking_open: r.thinking_open,
+                });
+                let _ = reply.send(r);
+            }
             TierMsg::EngineExited => {
                 return Err(format!("engine {} thread exited", engine.info().name).into());
             }
@@ -180,6 +207,8 @@ pub fn to_call(
         stop: req.stop.clone(),
         grammar: req.grammar.clone(),
         grammar_trigger: req.grammar_trigger.clone(),
+        grammar_patterns: req.grammar_patterns.clone(),
+        logprobs: req.logprobs.map(|n| n as u32),
         ignore_eos: req.ignore_eos,
         request_id: req.request_id.clone(),
         deadline_ms: deadline.as_millis() as u64,
@@ -205,6 +234,8 @@ pub fn from_call(c: crate::wire::GenerateCall) -> GenerateRequest {
         stop: c.stop,
         grammar: c.grammar,
         grammar_trigger: c.grammar_trigger,
+        grammar_patterns: c.grammar_patterns,
+        logprobs: c.logprobs.map(|n| n as usize),
         ignore_eos: c.ignore_eos,
         request_id: c.request_id,
         cache_scope: c.cache_scope,
@@ -220,7 +251,20 @@ pub fn to_wire(ev: TokenEvent) -> crate::wire::Event {
     use mesh_tiers::FinishReason;
     match ev {
         TokenEvent::Started { queued_ms } => Event::Started { queued_ms },
-        TokenEvent::Token { id, text, margin } => Event::Token { id, text, margin },
+        TokenEvent::Token {
+            id,
+            text,
+            margin,
+            logprobs,
+        } => Event::Token {
+            id,
+            text,
+            margin,
+            logprobs: logprobs.map(|l| crate::wire::TokenLogprobs {
+                token: entry_to_wire(l.token),
+                top: l.top.into_iter().map(entry_to_wire).collect(),
+            }),
+        },
         TokenEvent::Done {
             finish,
             usage,
@@ -245,13 +289,44 @@ pub fn to_wire(ev: TokenEvent) -> crate::wire::Event {
     }
 }
 
+fn entry_to_wire(e: mesh_tiers::LogprobEntry) -> crate::wire::LogprobEntry {
+    crate::wire::LogprobEntry {
+        id: e.id,
+        bytes: e.bytes,
+        logprob: e.logprob,
+    }
+}
+
+fn entry_from_wire(e: crate::wire::LogprobEntry) -> mesh_tiers::LogprobEntry {
+    mesh_tiers::LogprobEntry {
+        id: e.id,
+        bytes: e.bytes,
+        logprob: e.logprob,
+    }
+}
+
 /// A token event from the wire.
 pub fn from_wire(ev: crate::wire::Event) -> TokenEvent {
     use crate::wire::{Event, Finish};
     use mesh_tiers::{FinishReason, Usage};
     match ev {
         Event::Started { queued_ms } => TokenEvent::Started { queued_ms },
-        Event::Token { id, text, margin } => TokenEvent::Token { id, text, margin },
+        Event::Token {
+            id,
+            text,
+            margin,
+            logprobs,
+        } => TokenEvent::Token {
+            id,
+            text,
+            margin,
+            logprobs: logprobs.map(|l| {
+                Box::new(mesh_tiers::TokenLogprobs {
+                    token: entry_from_wire(l.token),
+                    top: l.top.into_iter().map(entry_from_wire).collect(),
+                })
+            }),
+        },
         Event::Done {
             finish,
             prompt_tokens,

@@ -177,8 +177,12 @@ pub struct GenerateCall {
     pub stop: Vec<String>,
     /// GBNF grammar.
     pub grammar: Option<String>,
-    /// Lazy-grammar trigger.
+    /// Lazy-grammar trigger word.
     pub grammar_trigger: Option<String>,
+    /// Lazy-grammar trigger patterns (regular expressions).
+    pub grammar_patterns: Vec<String>,
+    /// Log-probabilities with this many alternatives per token (`None`: none).
+    pub logprobs: Option<u32>,
     /// Keep generating past end-of-generation.
     pub ignore_eos: bool,
     /// Caller's request id (logs).
@@ -255,6 +259,14 @@ pub enum TierCall {
         /// The prompt's parts.
         parts: Vec<PromptPart>,
     },
+    /// Render a conversation with the tier's chat template and tokenize it; answered by one
+    /// [`TierItem::Rendered`].
+    Render {
+        /// Tier name.
+        model: String,
+        /// `mesh_tiers::format::ChatInput` as JSON.
+        input: String,
+    },
 }
 
 /// One part of a prompt to tokenize (`mesh_tiers::chat::PromptPart` on the wire).
@@ -291,6 +303,15 @@ pub enum TierItem {
     Event(Event),
     /// Token ids.
     Tokens(Vec<i32>),
+    /// A rendered, tokenized conversation.
+    Rendered {
+        /// Prompt token ids.
+        tokens: Vec<i32>,
+        /// The tier's `mesh_tiers::format::FormatSpec` as JSON.
+        spec: String,
+        /// The prompt ends inside an open reasoning span.
+        thinking_open: bool,
+    },
 }
 
 /// A page in its stored form (header with checksum + payload).
@@ -463,6 +484,8 @@ pub enum Event {
         text: String,
         /// Top-1 minus top-2 probability.
         margin: f32,
+        /// Log-probabilities, when the request asked for them.
+        logprobs: Option<TokenLogprobs>,
     },
     /// Finished.
     Done {
@@ -489,6 +512,26 @@ pub enum Event {
     },
     /// The generation failed (engine stopped).
     Error(String),
+}
+
+/// Log-probabilities of one token (`mesh_tiers::TokenLogprobs` on the wire).
+#[derive(Archive, Serialize, Deserialize, Debug, Clone, PartialEq)]
+pub struct TokenLogprobs {
+    /// The chosen token.
+    pub token: LogprobEntry,
+    /// The most likely tokens, most likely first.
+    pub top: Vec<LogprobEntry>,
+}
+
+/// One token and its log-probability.
+#[derive(Archive, Serialize, Deserialize, Debug, Clone, PartialEq)]
+pub struct LogprobEntry {
+    /// Token id.
+    pub id: i32,
+    /// Its bytes.
+    pub bytes: Vec<u8>,
+    /// Natural log of its probability.
+    pub logprob: f32,
 }
 
 /// Closed set of error classes crossing the wire.

@@ -21,7 +21,7 @@
 //! `--out` (which must have been measured on the same files).
 //!
 //! With `--grammar`, each request carries the lazy tool-call grammar the gateway applies by
-//! default when a chat request offers tools (`mesh_tiers::grammar::tool_call_grammar` over the
+//! default when a chat request offers tools (`mesh_tiers::chat::tool_call_grammar` over the
 //! prompt's `<tools>` block, switched on by `<tool_call>`); without it the model decodes freely.
 //!
 //! Per tier and per (split, kind), and per hard sub-kind, it reports exact match, the share
@@ -41,7 +41,7 @@ use std::collections::BTreeMap;
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
-use mesh_tiers::grammar::tool_call_grammar;
+use mesh_tiers::chat::tool_call_grammar;
 use mesh_tiers::{Engine, EngineConfig, FinishReason, GenerateRequest, TokenEvent};
 use serde_json::{json, Value};
 use tokio::sync::mpsc::UnboundedReceiver;

@@ -323,7 +323,7 @@ async fn main() {
             };
             let tools = mesh_tiers::eval::offered_tools(text);
             let grammar = (a.grammar && !tools.is_empty()).then(|| {
-                mesh_tiers::grammar::tool_call_grammar(&tools).expect("grammar for the tools")
+                mesh_tiers::chat::tool_call_grammar(&tools).expect("grammar for the tools")
             });
             GenerateRequest {
                 prompt: plain.tokenize(text),

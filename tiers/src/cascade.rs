@@ -139,8 +139,8 @@ pub struct Assessment {
 /// One tier's output as the cascade sees it.
 #[derive(Debug, Clone, Copy)]
 pub struct Output<'a> {
-    /// Generated text (special tokens rendered, end token excluded).
-    pub text: &'a str,
+    /// The output parsed in the tier's chat format.
+    pub parsed: &'a chat::ParsedOutput,
     /// Margin of each generated token, the end token included as the last entry when
     /// the generation stopped on it.
     pub margins: &'a [f32],
@@ -163,7 +163,7 @@ pub fn assess(
         Verdict::Truncated
     } else if let Some(bad) = policy
         .require_valid_calls
-        .then(|| structure(out.text, offered))
+        .then(|| structure(out.parsed, offered))
         .flatten()
     {
         bad
@@ -179,15 +179,11 @@ pub fn assess(
 }
 
 /// The first structural problem of an output, if any.
-fn structure(text: &str, offered: &[&str]) -> Option<Verdict> {
-    let trimmed = text.trim_start();
-    if trimmed.starts_with(chat::THINK) && !trimmed.contains(chat::END_THINK) {
+fn structure(parsed: &chat::ParsedOutput, offered: &[&str]) -> Option<Verdict> {
+    if parsed.unclosed_reasoning {
         return Some(Verdict::UnclosedThink);
     }
-    let parsed = chat::parse_output(text);
-    let opened = text.matches(chat::CALL).count();
-    let closed = text.matches(chat::END_CALL).count();
-    if parsed.malformed_calls > 0 || opened != closed {
+    if parsed.malformed_calls > 0 {
         return Some(Verdict::MalformedCall);
     }
     if parsed
@@ -259,12 +255,20 @@ impl ReasoningPolicy {
 mod tests {
     use super::*;
 
-    fn out<'a>(text: &'a str, margins: &'a [f32]) -> Output<'a> {
-        Output {
-            text,
+    fn run(
+        p: &CascadePolicy,
+        i: usize,
+        text: &str,
+        margins: &[f32],
+        offered: &[&str],
+    ) -> Assessment {
+        let parsed = chat::parse_output(text);
+        let out = Output {
+            parsed: &parsed,
             margins,
             truncated: false,
-        }
+        };
+        assess(p, i, out, offered)
     }
 
     const CALL: &str =
@@ -273,7 +277,7 @@ mod tests {
     #[test]
     fn confident_wellformed_answer_is_kept() {
         let p = CascadePolicy::default();
-        let a = assess(&p, 0, out(CALL, &[9.0, 7.5, 12.0]), &["get_weather"]);
+        let a = run(&p, 0, CALL, &[9.0, 7.5, 12.0], &["get_weather"]);
         assert_eq!(a.verdict, Verdict::Accept);
         assert_eq!(a.min_margin, 7.5);
     }
@@ -284,19 +288,19 @@ mod tests {
             min_margin: vec![1.0, 0.25],
             ..CascadePolicy::default()
         };
-        let a = assess(&p, 0, out(CALL, &[9.0, 0.5, 12.0]), &["get_weather"]);
+        let a = run(&p, 0, CALL, &[9.0, 0.5, 12.0], &["get_weather"]);
         assert_eq!(a.verdict, Verdict::LowMargin);
         // The second tier has its own (lower) threshold.
-        let a = assess(&p, 1, out(CALL, &[9.0, 0.5, 12.0]), &["get_weather"]);
+        let a = run(&p, 1, CALL, &[9.0, 0.5, 12.0], &["get_weather"]);
         assert_eq!(a.verdict, Verdict::Accept);
         // The shipped default keeps t1 answers whose every token won by 0.25.
         let d = CascadePolicy::default();
         assert_eq!(
-            assess(&d, 0, out(CALL, &[9.0, 0.3, 12.0]), &["get_weather"]).verdict,
+            run(&d, 0, CALL, &[9.0, 0.3, 12.0], &["get_weather"]).verdict,
             Verdict::Accept
         );
         assert_eq!(
-            assess(&d, 0, out(CALL, &[9.0, 0.2, 12.0]), &["get_weather"]).verdict,
+            run(&d, 0, CALL, &[9.0, 0.2, 12.0], &["get_weather"]).verdict,
             Verdict::LowMargin
         );
     }
@@ -305,22 +309,23 @@ mod tests {
     fn structure_problems_escalate_whatever_the_margin() {
         let p = CascadePolicy::default();
         let m = [50.0];
-        let unknown = assess(&p, 0, out(CALL, &m), &["get_time"]);
+        let unknown = run(&p, 0, CALL, &m, &["get_time"]);
         assert_eq!(unknown.verdict, Verdict::UnknownTool);
-        let broken = assess(
+        let broken = run(
             &p,
             0,
-            out(r#"<tool_call>{"name": "get_weather""#, &m),
+            r#"<tool_call>{"name": "get_weather""#,
+            &m,
             &["get_weather"],
         );
         assert_eq!(broken.verdict, Verdict::MalformedCall);
-        let think = assess(&p, 0, out("<think>12 * 4 = 48", &m), &[]);
+        let think = run(&p, 0, "<think>12 * 4 = 48", &m, &[]);
         assert_eq!(think.verdict, Verdict::UnclosedThink);
         let truncated = assess(
             &p,
             0,
             Output {
-                text: "ok",
+                parsed: &chat::parse_output("ok"),
                 margins: &m,
                 truncated: true,
             },
@@ -332,7 +337,7 @@ mod tests {
     #[test]
     fn last_tier_always_answers() {
         let p = CascadePolicy::default();
-        let a = assess(&p, 2, out("<tool_call>{", &[0.0]), &[]);
+        let a = run(&p, 2, "<tool_call>{", &[0.0], &[]);
         assert_eq!(a.verdict, Verdict::LastTier);
         assert!(a.verdict.kept());
     }
@@ -340,10 +345,11 @@ mod tests {
     #[test]
     fn plain_answers_need_no_calls() {
         let p = CascadePolicy::default();
-        let a = assess(
+        let a = run(
             &p,
             0,
-            out("None of the available tools can do that.", &[8.0]),
+            "None of the available tools can do that.",
+            &[8.0],
             &[],
         );
         assert_eq!(a.verdict, Verdict::Accept);

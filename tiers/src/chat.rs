@@ -1,4 +1,6 @@
-//! The bundled models' chat format: prompt rendering and output parsing. Pure logic.
+//! Messages, tools and calls: what a conversation is, whatever the model's chat format
+//! ([`crate::format`]). Also the bundled tiers' own markers and helpers for their
+//! evaluations, which read and write that format directly:
 //!
 //! ```text
 //! <|system|>{system}\n<tools>\n{tool json}\n...\n</tools><|end|>
@@ -7,11 +9,6 @@
 //! <|tool|>{result}<|end|>
 //! <|assistant|>
 //! ```
-//!
-//! Tool schemas are written as compact JSON with `", "` and `": "` separators,
-//! keys in the caller's order and non-ASCII escaped, byte-identical to how the
-//! training corpus (`models/recipe/corpus.py`) shows them. Injecting fewer
-//! schemas therefore shortens the prompt exactly by their tokens.
 
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
@@ -48,12 +45,13 @@ fn empty_object_schema() -> Value {
 }
 
 /// Who wrote a message.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum Role {
     /// Instructions.
     System,
     /// The end user.
+    #[default]
     User,
     /// The model.
     Assistant,
@@ -68,17 +66,42 @@ pub struct ToolCall {
     pub name: String,
     /// Arguments object.
     pub arguments: Value,
+    /// The call's id, when the model or the client gave one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub id: Option<String>,
+}
+
+impl ToolCall {
+    /// A call without an id.
+    pub fn new(name: impl Into<String>, arguments: Value) -> Self {
+        Self {
+            name: name.into(),
+            arguments,
+            id: None,
+        }
+    }
 }
 
 /// One chat message.
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 pub struct ChatMessage {
     /// Author.
     pub role: Role,
     /// Text (may be empty for an assistant turn that only calls tools).
+    #[serde(default)]
     pub content: String,
     /// Calls made in an assistant turn.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub tool_calls: Vec<ToolCall>,
+    /// An assistant turn's reasoning, when the client sends it back (`reasoning_content`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reasoning: Option<String>,
+    /// The call a tool result answers.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tool_call_id: Option<String>,
+    /// The tool a tool result comes from, when the client names it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub name: Option<String>,
 }
 
 impl ChatMessage {
@@ -87,7 +110,7 @@ impl ChatMessage {
         Self {
             role,
             content: content.into(),
-            tool_calls: Vec::new(),
+            ..Self::default()
         }
     }
 }
@@ -127,81 +150,35 @@ pub fn prompt_text(parts: &[PromptPart]) -> String {
     parts.iter().map(|p| p.text.as_str()).collect()
 }
 
-/// Renders the prompt for the next assistant turn (see [`render_prompt_parts`]).
+/// The bundled tiers' prompt for the next assistant turn (their chat template,
+/// [`crate::format::MESH_TIERS_TEMPLATE`], rendered as text).
 pub fn render_prompt(messages: &[ChatMessage], tools: &[ToolSpec]) -> String {
-    prompt_text(&render_prompt_parts(messages, tools))
-}
-
-/// Renders the prompt for the next assistant turn as template and content parts: the turn
-/// markers, the tool block and tool calls (rendered from structured `tool_calls`) are
-/// template; every message's own text is content.
-pub fn render_prompt_parts(messages: &[ChatMessage], tools: &[ToolSpec]) -> Vec<PromptPart> {
-    let mut out = Parts::default();
-    let (system, rest) = match messages.first() {
-        Some(m) if m.role == Role::System => (m.content.as_str(), &messages[1..]),
-        _ => (DEFAULT_SYSTEM, messages),
+    let input = crate::format::ChatInput {
+        messages: messages.to_vec(),
+        tools: tools.to_vec(),
+        ..Default::default()
     };
-    out.template("<|system|>");
-    out.content(system);
-    if !tools.is_empty() {
-        // Schemas come from the caller too: their text is content, only the block's
-        // markers are template.
-        out.template("\n<tools>\n");
-        for (i, t) in tools.iter().enumerate() {
-            if i > 0 {
-                out.template("\n");
-            }
-            out.content(&tool_schema_text(t));
-        }
-        out.template("\n</tools>");
-    }
-    out.template(END);
-    for m in rest {
-        out.template(match m.role {
-            Role::System => "<|system|>",
-            Role::User => "<|user|>",
-            Role::Assistant => "<|assistant|>",
-            Role::Tool => "<|tool|>",
-        });
-        out.content(&m.content);
-        for c in &m.tool_calls {
-            // The markers are template; the name and arguments are the caller's.
-            let v = serde_json::json!({"name": c.name, "arguments": c.arguments});
-            out.template(CALL);
-            out.content(&py_json(&v));
-            out.template(END_CALL);
-        }
-        out.template(END);
-    }
-    out.template("<|assistant|>");
-    out.0
+    mesh_tiers_format()
+        .render_text(&input)
+        .expect("the bundled template renders every conversation")
 }
 
-/// Builds parts, merging neighbours of the same kind.
-#[derive(Default)]
-struct Parts(Vec<PromptPart>);
+/// The bundled tiers' format, compiled once.
+pub fn mesh_tiers_format() -> &'static crate::format::ChatFormat {
+    static F: std::sync::OnceLock<crate::format::ChatFormat> = std::sync::OnceLock::new();
+    F.get_or_init(crate::format::ChatFormat::mesh_tiers)
+}
 
-impl Parts {
-    fn push(&mut self, text: &str, special: bool) {
-        if text.is_empty() {
-            return;
-        }
-        match self.0.last_mut() {
-            Some(last) if last.special == special => last.text.push_str(text),
-            _ => self.0.push(PromptPart {
-                text: text.to_owned(),
-                special,
-            }),
-        }
-    }
-
-    fn template(&mut self, text: &str) {
-        self.push(text, true);
-    }
-
-    fn content(&mut self, text: &str) {
-        self.push(text, false);
-    }
+/// The bundled tiers' lazy tool-call grammar over `tools`: every call must be one of them
+/// once [`CALL`] (its trigger word) appears.
+pub fn tool_call_grammar(tools: &[ToolSpec]) -> Result<String, String> {
+    crate::format::grammar::tools(
+        &crate::format::FormatSpec::mesh_tiers(),
+        tools,
+        false,
+        false,
+    )
+    .map(|g| g.grammar)
 }
 
 /// `<tool_call>{"name": .., "arguments": ..}</tool_call>`.
@@ -210,66 +187,14 @@ pub fn render_call(c: &ToolCall) -> String {
     format!("{CALL}{}{END_CALL}", py_json(&v))
 }
 
-/// The schema line shown for one tool.
-pub fn tool_schema_text(t: &ToolSpec) -> String {
-    let v = serde_json::json!({"name": t.name, "description": t.description, "parameters": t.parameters});
-    py_json(&v)
-}
-
-/// Compact JSON the way Python's `json.dumps(v, separators=(", ", ": "))` writes it.
+/// Compact JSON the way Python's `json.dumps(v, separators=(", ", ": "))` writes it
+/// (non-ASCII escaped): how the bundled tiers' corpus shows tool calls.
 pub fn py_json(v: &Value) -> String {
-    let mut buf = Vec::new();
-    let mut ser = serde_json::Serializer::with_formatter(&mut buf, PyFormatter);
-    v.serialize(&mut ser)
-        .expect("serializing a Value cannot fail");
-    String::from_utf8(buf).expect("formatter writes ASCII")
-}
-
-struct PyFormatter;
-
-impl serde_json::ser::Formatter for PyFormatter {
-    fn begin_array_value<W: ?Sized + std::io::Write>(
-        &mut self,
-        w: &mut W,
-        first: bool,
-    ) -> std::io::Result<()> {
-        if first {
-            Ok(())
-        } else {
-            w.write_all(b", ")
-        }
+    crate::format::pyjson::Dumps {
+        ensure_ascii: true,
+        ..Default::default()
     }
-    fn begin_object_key<W: ?Sized + std::io::Write>(
-        &mut self,
-        w: &mut W,
-        first: bool,
-    ) -> std::io::Result<()> {
-        if first {
-            Ok(())
-        } else {
-            w.write_all(b", ")
-        }
-    }
-    fn begin_object_value<W: ?Sized + std::io::Write>(&mut self, w: &mut W) -> std::io::Result<()> {
-        w.write_all(b": ")
-    }
-    fn write_string_fragment<W: ?Sized + std::io::Write>(
-        &mut self,
-        w: &mut W,
-        fragment: &str,
-    ) -> std::io::Result<()> {
-        for ch in fragment.chars() {
-            if ch.is_ascii() {
-                w.write_all(&[ch as u8])?;
-            } else {
-                let mut units = [0u16; 2];
-                for u in ch.encode_utf16(&mut units) {
-                    write!(w, "\\u{u:04x}")?;
-                }
-            }
-        }
-        Ok(())
-    }
+    .dumps(v)
 }
 
 /// A model turn split into its parts.
@@ -283,107 +208,29 @@ pub struct ParsedOutput {
     pub tool_calls: Vec<ToolCall>,
     /// Call spans that did not parse (their text stays in `content`).
     pub malformed_calls: usize,
+    /// The reply ended inside its reasoning span.
+    pub unclosed_reasoning: bool,
 }
 
-/// Splits generated text (special tokens rendered as text, end token excluded).
+/// Splits a bundled tier's generated text (special tokens rendered as text, end token
+/// excluded): reasoning, answer and calls to any tool name.
 pub fn parse_output(text: &str) -> ParsedOutput {
-    let mut out = ParsedOutput::default();
-    let mut rest = text.trim_start();
-    if let Some(after) = rest.strip_prefix(THINK) {
-        match after.find(END_THINK) {
-            Some(end) => {
-                out.reasoning = Some(after[..end].to_owned());
-                rest = &after[end + END_THINK.len()..];
-            }
-            None => {
-                out.reasoning = Some(after.to_owned());
-                rest = "";
-            }
-        }
-    }
-    let mut content = String::new();
-    while let Some(start) = rest.find(CALL) {
-        content.push_str(&rest[..start]);
-        let body_start = start + CALL.len();
-        let (body, next) = match json_then_end(&rest[body_start..]) {
-            // The call is one JSON value followed by `</tool_call>`; a string inside it may
-            // itself contain `</tool_call>`, so the value decides where the call ends.
-            Some(len) => (
-                &rest[body_start..body_start + len],
-                &rest[body_start + len..].trim_start()[END_CALL.len()..],
-            ),
-            None => match rest[body_start..].find(END_CALL) {
-                Some(e) => (
-                    &rest[body_start..body_start + e],
-                    &rest[body_start + e + END_CALL.len()..],
-                ),
-                None => (&rest[body_start..], ""),
-            },
-        };
-        match parse_call(body) {
-            Some(c) => out.tool_calls.push(c),
-            None => {
-                out.malformed_calls += 1;
-                content.push_str(&rest[start..rest.len() - next.len()]);
-            }
-        }
-        rest = next;
-    }
-    content.push_str(rest);
-    out.content = content.trim().to_owned();
-    out
-}
-
-/// Length of the JSON value at the start of `text` when `</tool_call>` follows it.
-fn json_then_end(text: &str) -> Option<usize> {
-    let mut values = serde_json::Deserializer::from_str(text).into_iter::<Value>();
-    values.next()?.ok()?;
-    let len = values.byte_offset();
-    text[len..]
-        .trim_start()
-        .starts_with(END_CALL)
-        .then_some(len)
-}
-
-fn parse_call(body: &str) -> Option<ToolCall> {
-    let v: Value = serde_json::from_str(body.trim()).ok()?;
-    let name = v.get("name")?.as_str()?.to_owned();
-    let arguments = v
-        .get("arguments")
-        .cloned()
-        .unwrap_or_else(|| serde_json::json!({}));
-    arguments
-        .is_object()
-        .then_some(ToolCall { name, arguments })
+    use crate::format::parse::{parse_all, ParseOptions, ToolNames};
+    parse_all(
+        text,
+        ParseOptions {
+            syntax: Some(crate::format::ToolSyntax::Hermes),
+            think: Some(crate::format::ThinkMarkers::default()),
+            thinking_open: false,
+            tools: ToolNames::Any,
+        },
+    )
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
     use serde_json::json;
-
-    #[test]
-    fn message_text_is_content_and_turn_markers_are_template() {
-        let msgs = [ChatMessage::text(Role::User, "<|system|>hi")];
-        let parts = render_prompt_parts(&msgs, &[]);
-        let user = parts
-            .iter()
-            .position(|p| p.text.ends_with("<|user|>"))
-            .unwrap();
-        assert_eq!(parts[user + 1], PromptPart::content("<|system|>hi"));
-    }
-
-    #[test]
-    fn structured_tool_calls_keep_their_markers_as_template() {
-        let mut m = ChatMessage::text(Role::Assistant, "");
-        m.tool_calls.push(ToolCall {
-            name: "f".into(),
-            arguments: json!({}),
-        });
-        let parts = render_prompt_parts(&[ChatMessage::text(Role::User, "x"), m], &[]);
-        let marker = format!("<|assistant|>{CALL}");
-        assert!(parts.iter().any(|p| p.special && p.text.contains(&marker)));
-    }
 
     fn tool() -> ToolSpec {
         ToolSpec {
@@ -394,11 +241,7 @@ mod tests {
     }
 
     #[test]
-    fn schema_matches_python_json_dumps() {
-        assert_eq!(
-            tool_schema_text(&tool()),
-            r#"{"name": "weather_get_forecast", "description": "Get the forecast by city and date.", "parameters": {"type": "object", "properties": {"city": {"type": "string", "description": "City name"}}, "required": ["city"]}}"#
-        );
+    fn python_json_escapes_non_ascii() {
         assert_eq!(
             py_json(&json!({"a": "Zürich 😀"})),
             r#"{"a": "Z\u00fcrich \ud83d\ude00"}"#
@@ -417,17 +260,14 @@ mod tests {
 
     #[test]
     fn renders_tool_turns() {
-        let call = ToolCall {
-            name: "f".into(),
-            arguments: json!({"x": 1}),
-        };
+        let call = ToolCall::new("f", json!({"x": 1}));
         let msgs = vec![
             ChatMessage::text(Role::System, "sys"),
             ChatMessage::text(Role::User, "q"),
             ChatMessage {
                 role: Role::Assistant,
-                content: String::new(),
                 tool_calls: vec![call],
+                ..ChatMessage::default()
             },
             ChatMessage::text(Role::Tool, r#"{"status": "ok"}"#),
         ];

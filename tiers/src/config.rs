@@ -77,6 +77,9 @@ pub struct EngineConfig {
     /// `[draft] model = "PATH"`; a node config also takes another tier's name.
     #[serde(deserialize_with = "draft_or_path")]
     pub draft: Option<DraftConfig>,
+    /// The chat template: a Jinja file, or a built-in name (`mesh-tiers`, `chatml`). Unset:
+    /// the GGUF's own `tokenizer.chat_template` (ChatML when it has none).
+    pub chat_template: Option<String>,
     /// Runs on the engine thread before the llama.cpp context exists; the node sets it to
     /// bind the thread to the tier's planned cores. Not part of the file config.
     #[serde(skip)]
@@ -315,6 +318,7 @@ impl Default for EngineConfig {
             gpu_layers: GpuLayers::All,
             gpu: None,
             draft: None,
+            chat_template: None,
             thread_setup: ThreadSetup::default(),
             kv_far_memory: None,
             page_store: None,

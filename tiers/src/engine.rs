@@ -17,6 +17,7 @@ use tokio::sync::mpsc;
 use tracing::{debug, info, warn};
 
 use crate::chat;
+use crate::format::{ChatFormat, ChatInput, FormatError, Rendered, SpecialTokens, ThinkMarkers};
 use crate::kvcache::{KvCache, PromptPages, ReuseStats};
 use crate::markers::Markers;
 use crate::plan::{self, SlotView, Work};
@@ -24,8 +25,8 @@ use crate::sampler::{allowed_argmax, top2, DraftSampler, RequestSampler};
 use crate::speculative;
 use crate::stop::StopMatcher;
 use crate::{
-    DraftAcceptance, DraftConfig, EngineConfig, FinishReason, GenerateRequest, KvType, TierError,
-    TokenEvent, Usage,
+    DraftAcceptance, DraftConfig, EngineConfig, FinishReason, GenerateRequest, KvType,
+    LogprobEntry, TierError, TokenEvent, TokenLogprobs, Usage,
 };
 
 /// Prefix-page handles of an engine (metrics, tests).
@@ -224,6 +225,7 @@ pub struct Engine {
     pages: Option<PageHandles>,
     exited: Option<tokio::sync::oneshot::Receiver<()>>,
     markers: Arc<Markers>,
+    format: Arc<ChatFormat>,
 }
 
 impl Engine {
@@ -244,6 +246,7 @@ impl Engine {
                 reason: e.to_string(),
             }
         })?;
+        let format = Arc::new(chat_format(&model, &cfg)?);
         let model = Arc::new(model);
         let draft = match &cfg.draft {
             Some(d) => Some(Arc::new(load_draft(&model, d, &params)?)),
@@ -274,12 +277,13 @@ impl Engine {
         let (ready_tx, ready_rx) = std_mpsc::channel();
         let (exit_tx, exited) = tokio::sync::oneshot::channel();
         let thread = {
-            let (model, draft_model, cfg, stats, info) = (
+            let (model, draft_model, cfg, stats, info, think) = (
                 model.clone(),
                 draft.clone(),
                 cfg.clone(),
                 stats.clone(),
                 info.clone(),
+                format.spec().think.clone(),
             );
             std::thread::Builder::new()
                 .name(format!("engine-{}", cfg.name))
@@ -319,6 +323,7 @@ impl Engine {
                     });
                     let _ = ready_tx.send(Ok(handles));
                     let mut l = Loop::new(&model, ctx, &cfg, &info, stats, kv, draft);
+                    l.think = think.as_ref().and_then(|t| think_tokens(&model, t));
                     l.hw = hw;
                     l.run(rx);
                 })
@@ -329,6 +334,7 @@ impl Engine {
         Ok(Self {
             pages,
             markers,
+            format,
             cfg,
             model,
             info,
@@ -444,6 +450,18 @@ impl Engine {
             }
         }
         out
+    }
+
+    /// The tier's chat format.
+    pub fn format(&self) -> &Arc<ChatFormat> {
+        &self.format
+    }
+
+    /// Renders a conversation with the tier's chat template and tokenizes it (content never
+    /// as control tokens); the tokens and the rendered prompt.
+    pub fn render(&self, input: &ChatInput) -> Result<(Vec<i32>, Rendered), FormatError> {
+        let r = self.format.render(input, &self.markers)?;
+        Ok((self.tokenize_parts(&r.parts), r))
     }
 
     /// Token ids of this model's chat markers (control and user-defined tokens).
@@ -667,6 +685,8 @@ struct Slot {
     /// Its prompt was prefilled in this step and its new pages are not published yet: they
     /// are, once the step's first tokens went out (or before the slot is freed).
     publish_due: bool,
+    /// Log-probabilities of the token being emitted, when the request asks for them.
+    logprobs: Option<Box<TokenLogprobs>>,
 }
 
 /// KV a finished sequence left in its slot: its tokens (prompt, then answer) at positions
@@ -843,7 +863,7 @@ impl<'m> Loop<'m> {
             batch: LlamaBatch::new(cfg.n_batch as usize, 1),
             kv,
             pending: std::collections::HashMap::new(),
-            think: think_tokens(model),
+            think: None,
             draft,
             hw: None,
             resident: (0..cfg.n_seq_max).map(|_| None).collect(),
@@ -1046,6 +1066,7 @@ impl<'m> Loop<'m> {
                 spec,
                 out: Vec::new(),
                 publish_due: false,
+                logprobs: None,
             });
             self.next_age += 1;
         }
@@ -1619,7 +1640,18 @@ impl<'m> Loop<'m> {
                 tok
             }
         };
+        self.note_logprobs(slot, row, tok);
         (tok, margin)
+    }
+
+    /// Keeps the log-probabilities of `tok` at logits row `row` for its event, when the
+    /// request asks for them.
+    fn note_logprobs(&mut self, slot: usize, row: i32, tok: LlamaToken) {
+        let s = self.slots[slot].as_mut().expect("sampled slot exists");
+        if let Some(n) = s.req.logprobs {
+            let lp = token_logprobs(self.model, self.ctx.get_logits_ith(row), tok, n);
+            s.logprobs = Some(Box::new(lp));
+        }
     }
 
     /// The token for logits row `row` of a sampled sequence whose draft `x` was drawn from
@@ -1648,6 +1680,7 @@ impl<'m> Loop<'m> {
         let (u, v) = (ds.uniform(), ds.uniform());
         let tok = LlamaToken(speculative::accept_sampled(&p, q, x, u, v).0);
         s.sampler.accept(tok);
+        self.note_logprobs(slot, row, tok);
         (tok, margin)
     }
 
@@ -1710,6 +1743,7 @@ impl<'m> Loop<'m> {
             id: tok.0,
             text,
             margin,
+            logprobs: s.logprobs.take(),
         });
         let total = s.req.prompt.len() + s.generated;
         let finish = if eog || stopped {
@@ -1755,13 +1789,84 @@ impl<'m> Loop<'m> {
     }
 }
 
-/// `<think>` and `</think>` as token ids, when the vocabulary has each as one token.
-fn think_tokens(model: &LlamaModel) -> Option<(LlamaToken, LlamaToken)> {
+/// The reasoning markers as token ids, when the vocabulary has each as one token.
+fn think_tokens(model: &LlamaModel, t: &ThinkMarkers) -> Option<(LlamaToken, LlamaToken)> {
     let one = |s: &str| match model.vocab().tokenize(s.as_bytes(), false, true)[..] {
         [t] => Some(t),
         _ => None,
     };
-    Some((one(chat::THINK)?, one(chat::END_THINK)?))
+    Some((one(&t.open)?, one(&t.close)?))
+}
+
+/// The tier's chat format: its `chat_template` (a file or a built-in name), else the
+/// GGUF's template, else ChatML. A GGUF template minijinja cannot compile falls back to
+/// ChatML with a warning (the tier still chats); a configured one that fails is an error.
+fn chat_format(model: &LlamaModel, cfg: &EngineConfig) -> Result<ChatFormat, TierError> {
+    let vocab = model.vocab();
+    let piece =
+        |t: LlamaToken| String::from_utf8_lossy(&vocab.token_to_piece(t, true, None)).into_owned();
+    let single = |s: &str| matches!(vocab.tokenize(s.as_bytes(), false, true)[..], [_]);
+    let tokens = SpecialTokens {
+        bos: piece(vocab.bos()),
+        eos: piece(vocab.eos()),
+        add_bos: vocab.should_add_bos(),
+        think_tokens: single("<think>") && single("</think>"),
+    };
+    let fail = |e: FormatError| TierError::Config(format!("{}: {e}", cfg.name));
+    let f = match &cfg.chat_template {
+        Some(t) => {
+            let (source, origin) = match crate::format::builtin_template(t) {
+                Some(src) => (src.to_owned(), t.clone()),
+                None => (
+                    std::fs::read_to_string(t).map_err(|e| {
+                        TierError::Config(format!("{}: chat_template {t}: {e}", cfg.name))
+                    })?,
+                    t.clone(),
+                ),
+            };
+            ChatFormat::new(&source, &origin, tokens).map_err(fail)?
+        }
+        None => match model.chat_template(None).ok().and_then(|t| t.to_string().ok()) {
+            Some(src) => ChatFormat::new(&src, "gguf", tokens.clone()).or_else(|e| {
+                warn!(tier = %cfg.name, error = %e, "the GGUF's chat template does not compile here; using ChatML (set chat_template to a file to override)");
+                ChatFormat::new(crate::format::CHATML_TEMPLATE, "chatml", tokens)
+            }).map_err(fail)?,
+            None => {
+                info!(tier = %cfg.name, "the GGUF has no chat template; using ChatML");
+                ChatFormat::new(crate::format::CHATML_TEMPLATE, "chatml", tokens).map_err(fail)?
+            }
+        },
+    };
+    let spec = f.spec();
+    info!(tier = %cfg.name, template = %spec.template, tool_syntax = spec.syntax.as_str(),
+        reasoning = spec.think.is_some(), template_shows_tools = spec.template_tools, "chat format");
+    Ok(f)
+}
+
+/// The log-probability of `tok` and the `n` most likely tokens of logits row `logits`.
+fn token_logprobs(model: &LlamaModel, logits: &[f32], tok: LlamaToken, n: usize) -> TokenLogprobs {
+    let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    let sum: f64 = logits.iter().map(|&l| f64::from(l - max).exp()).sum();
+    let lse = max + sum.ln() as f32;
+    let entry = |id: i32| LogprobEntry {
+        id,
+        bytes: model.vocab().token_to_piece(LlamaToken(id), true, None),
+        logprob: logits[id as usize] - lse,
+    };
+    let mut top: Vec<(f32, i32)> = Vec::with_capacity(n + 1);
+    if n > 0 {
+        for (i, &l) in logits.iter().enumerate() {
+            if top.len() < n || l > top[top.len() - 1].0 {
+                let at = top.partition_point(|(x, _)| *x >= l);
+                top.insert(at, (l, i as i32));
+                top.truncate(n);
+            }
+        }
+    }
+    TokenLogprobs {
+        token: entry(tok.0),
+        top: top.into_iter().map(|(_, id)| entry(id)).collect(),
+    }
 }
 
 /// Difference between the two largest logits (= their log-probability gap), from

@@ -19,7 +19,8 @@
 //!
 //! Decision logic that needs no model lives in plain modules with unit tests:
 //! [`plan`] (what goes into the next batch), [`stop`] (stop strings),
-//! [`chat`] (prompt rendering and output parsing for the bundled chat format),
+//! [`chat`] (messages, tools and calls), [`format`] (a model's chat template, its tool-call
+//! and reasoning syntax, grammars and the output parser),
 //! [`cascade`] (when a tier's answer is kept or escalated; the reasoning budget).
 //! [`quantize`] makes other GGUF variants of a tier's model. The supervised actor that
 //! owns an engine on a node lives in `mesh-actors`.
@@ -33,8 +34,8 @@ mod config;
 mod engine;
 mod error;
 pub mod eval;
+pub mod format;
 pub mod gpu;
-pub mod grammar;
 pub mod hwcount;
 pub mod kvcache;
 pub mod markers;
@@ -52,7 +53,9 @@ pub use config::{
 };
 pub use engine::{backend, Engine, EngineStats, ModelInfo, PageHandles, STEP_PHASES};
 pub use error::TierError;
-pub use request::{FinishReason, GenerateRequest, SamplingParams, TokenEvent, Usage};
+pub use request::{
+    FinishReason, GenerateRequest, LogprobEntry, SamplingParams, TokenEvent, TokenLogprobs, Usage,
+};
 pub use shape::{
     tier_device_bytes, tier_memory_bytes, ModelShape, CONTEXT_OVERHEAD_BYTES,
     GPU_CONTEXT_OVERHEAD_BYTES,

@@ -33,6 +33,32 @@ impl Markers {
         &self.ids
     }
 
+    /// Whether the vocabulary has no marker spellings.
+    pub fn is_empty(&self) -> bool {
+        self.finder.is_none()
+    }
+
+    /// Every marker spelling in `text` (overlapping ones too), as byte ranges.
+    pub fn occurrences(&self, text: &str) -> Vec<std::ops::Range<usize>> {
+        match &self.finder {
+            Some(f) => f
+                .find_overlapping_iter(text)
+                .map(|m| m.start()..m.end())
+                .collect(),
+            None => vec![],
+        }
+    }
+
+    /// Length of the longest marker spelling that starts at byte `at` of `text`.
+    pub fn longest_at(&self, text: &str, at: usize) -> Option<usize> {
+        self.finder
+            .as_ref()?
+            .find_overlapping_iter(&text[at..])
+            .filter(|m| m.start() == 0)
+            .map(|m| m.end())
+            .max()
+    }
+
     /// `text` in pieces, each free of whole marker spellings: every spelling is cut after
     /// its first character. Pieces joined give `text` back.
     pub fn split<'a>(&self, text: &'a str) -> Vec<&'a str> {

@@ -36,10 +36,17 @@ pub struct GenerateRequest {
     pub sampling: SamplingParams,
     /// Generation stops when the output contains any of these; the stop string is not returned.
     pub stop: Vec<String>,
-    /// GBNF grammar applied lazily from the first `grammar_trigger` token on.
+    /// GBNF grammar (root rule `root`); from the first token on unless a trigger is set.
     pub grammar: Option<String>,
-    /// Token text that switches the lazy grammar on (e.g. `<tool_call>`).
+    /// Text that switches the grammar on when generated (e.g. `<tool_call>`): the grammar is
+    /// lazy.
     pub grammar_trigger: Option<String>,
+    /// Regular expressions (ECMAScript) over the generated text that switch the grammar on;
+    /// it then takes the text from the first capture group on (lazy too).
+    pub grammar_patterns: Vec<String>,
+    /// Return each token's log-probability and this many most likely alternatives
+    /// (`logprobs` / `top_logprobs`); `None`: no log-probabilities.
+    pub logprobs: Option<usize>,
     /// Ban end-of-generation tokens so exactly `max_tokens` are generated (benchmarks).
     pub ignore_eos: bool,
     /// Trace/log label for this request.
@@ -114,6 +121,8 @@ pub enum TokenEvent {
         text: String,
         /// Log-probability gap between the chosen token and the runner-up (greedy confidence).
         margin: f32,
+        /// The token's log-probability and the most likely alternatives, when asked for.
+        logprobs: Option<Box<TokenLogprobs>>,
     },
     /// Generation finished.
     Done {
@@ -127,4 +136,24 @@ pub enum TokenEvent {
     },
     /// Generation failed.
     Error(String),
+}
+
+/// Log-probabilities of one generated token (the model's distribution, before sampling).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, Default)]
+pub struct TokenLogprobs {
+    /// The chosen token's text piece (special tokens rendered) and its log-probability.
+    pub token: LogprobEntry,
+    /// The most likely tokens at this position, most likely first.
+    pub top: Vec<LogprobEntry>,
+}
+
+/// One token and its log-probability.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, Default)]
+pub struct LogprobEntry {
+    /// Token id.
+    pub id: i32,
+    /// The token's bytes (a piece of a multi-byte character is not valid UTF-8 alone).
+    pub bytes: Vec<u8>,
+    /// Natural log of its probability.
+    pub logprob: f32,
 }

@@ -58,16 +58,22 @@ impl RequestSampler {
         let mut chain: Vec<LlamaSampler> = eos_ban(model, &banned, req).into_iter().collect();
         let grammar = match &req.grammar {
             Some(g) => {
-                let grammar = match &req.grammar_trigger {
-                    Some(trigger) => {
-                        let ids = model.vocab().tokenize(trigger.as_bytes(), false, true);
-                        if ids.len() == 1 {
-                            LlamaSampler::grammar_lazy(model, g, "root", Vec::<&[u8]>::new(), &ids)
-                        } else {
-                            LlamaSampler::grammar_lazy(model, g, "root", [trigger.as_bytes()], &[])
+                let lazy = req.grammar_trigger.is_some() || !req.grammar_patterns.is_empty();
+                let grammar = if lazy {
+                    // A trigger word that is one token triggers on that token; any other
+                    // word becomes a pattern (llama.cpp's word triggers are patterns too).
+                    let mut patterns = req.grammar_patterns.clone();
+                    let mut tokens = vec![];
+                    if let Some(w) = &req.grammar_trigger {
+                        match model.vocab().tokenize(w.as_bytes(), false, true)[..] {
+                            [t] => tokens.push(t),
+                            _ => patterns
+                                .push(format!("({})", crate::format::grammar::regex_escape(w))),
                         }
                     }
-                    None => LlamaSampler::grammar(model, g, "root"),
+                    LlamaSampler::grammar_lazy_patterns(model, g, "root", &patterns, &tokens)
+                } else {
+                    LlamaSampler::grammar(model, g, "root")
                 };
                 Some(grammar.map_err(|e| TierError::InvalidRequest(format!("grammar: {e}")))?)
             }

@@ -19,8 +19,8 @@ use llama_cpp_2::model::LlamaModel;
 use llama_cpp_2::sampling::LlamaSampler;
 use llama_cpp_2::token::LlamaToken;
 
+use mesh_tiers::chat::tool_call_grammar;
 use mesh_tiers::chat::CALL;
-use mesh_tiers::grammar::tool_call_grammar;
 use mesh_tiers::speculative::{greedy, SpecConfig, Speculative};
 use mesh_tiers::{
     backend, DraftAcceptance, DraftConfig, Engine, EngineConfig, FinishReason, GenerateRequest,

@@ -31,7 +31,7 @@ pub const MAGIC: [u8; 2] = *b"MS";
 /// parts in `TierCall::Tokenize`, and the cached prompt tokens and matched stop string of
 /// `Event::Done`; 7: engine counters and capacity in adverts, later with the node's GPUs;
 /// 8: the device memory a loadable tier takes, `LoadableTier.gpu_bytes`).
-pub const WIRE_VERSION: u16 = 8;
+pub const WIRE_VERSION: u16 = 9;
 /// Bytes before the payload.
 pub const HEADER_LEN: usize = 8;
 /// Default payload limit of control frames (1 MiB).

@@ -19,10 +19,10 @@ use utoipa::ToSchema;
 use mesh_tiers::chat::{ChatMessage, Role, ToolCall, ToolSpec};
 use mesh_tiers::{FinishReason, Usage};
 
-use super::chat::Piece;
 use super::error::ApiError;
 use super::openai::mesh_json;
 use crate::service::{ChatCall, Completion, Sampling, ToolChoice};
+use mesh_tiers::format::Delta;
 
 /// `POST /v1/messages` (and `/v1/messages/count_tokens`) body.
 #[derive(Debug, Clone, Deserialize, ToSchema)]
@@ -286,6 +286,7 @@ pub fn to_messages(
                     calls.push(ToolCall {
                         name: name.to_owned(),
                         arguments: input,
+                        id: b.get("id").and_then(Value::as_str).map(str::to_owned),
                     });
                 }
                 ("tool_result", false) => {
@@ -294,11 +295,18 @@ pub fn to_messages(
                         &format!("{param}.content"),
                     )?;
                     let is_error = b.get("is_error").and_then(Value::as_bool) == Some(true);
-                    results.push(if is_error {
-                        format!("Error: {content}")
-                    } else {
-                        content
-                    });
+                    let id = b
+                        .get("tool_use_id")
+                        .and_then(Value::as_str)
+                        .map(str::to_owned);
+                    results.push((
+                        if is_error {
+                            format!("Error: {content}")
+                        } else {
+                            content
+                        },
+                        id,
+                    ));
                 }
                 ("thinking" | "redacted_thinking", true) => {}
                 (k, _) => {
@@ -314,13 +322,13 @@ pub fn to_messages(
                 role: Role::Assistant,
                 content: text,
                 tool_calls: calls,
+                ..ChatMessage::default()
             });
         } else {
-            out.extend(
-                results
-                    .into_iter()
-                    .map(|r| ChatMessage::text(Role::Tool, r)),
-            );
+            out.extend(results.into_iter().map(|(r, id)| ChatMessage {
+                tool_call_id: id,
+                ..ChatMessage::text(Role::Tool, r)
+            }));
             if !text.is_empty() {
                 out.push(ChatMessage::text(Role::User, text));
             }
@@ -447,6 +455,7 @@ impl MessagesRequest {
             reasoning_budget: to_reasoning_budget(self.thinking.as_ref())?,
             ignore_eos: false,
             model: self.model,
+            ..ChatCall::default()
         })
     }
 }
@@ -482,7 +491,8 @@ fn tool_use_block(c: &ToolCall) -> Value {
     } else {
         json!({})
     };
-    json!({"type": "tool_use", "id": tool_use_id(), "name": c.name, "input": input})
+    let id = c.id.clone().unwrap_or_else(tool_use_id);
+    json!({"type": "tool_use", "id": id, "name": c.name, "input": input})
 }
 
 /// A message id.
@@ -610,36 +620,26 @@ impl MessageEvents {
     }
 
     /// The events for one piece of output.
-    pub fn piece(&mut self, p: Piece) -> Vec<(&'static str, Value)> {
+    pub fn piece(&mut self, d: Delta) -> Vec<(&'static str, Value)> {
         let mut out = Vec::new();
-        match p {
-            Piece::Content(t) => self.text(Block::Text, &t, &mut out),
-            Piece::Reasoning(t) => self.text(Block::Thinking, &t, &mut out),
-            Piece::Call(body) => {
-                let wrapped = format!(
-                    "{}{body}{}",
-                    mesh_tiers::chat::CALL,
-                    mesh_tiers::chat::END_CALL
-                );
-                match mesh_tiers::chat::parse_output(&wrapped).tool_calls.first() {
-                    Some(c) => {
-                        self.close(&mut out);
-                        let mut block = tool_use_block(c);
-                        let input = std::mem::replace(&mut block["input"], json!({}));
-                        let index = self.open(block, &mut out);
-                        out.push((
-                            "content_block_delta",
-                            json!({"type": "content_block_delta", "index": index,
-                                   "delta": {"type": "input_json_delta", "partial_json": input.to_string()}}),
-                        ));
-                        out.push((
-                            "content_block_stop",
-                            json!({"type": "content_block_stop", "index": index}),
-                        ));
-                        self.calls += 1;
-                    }
-                    None => self.text(Block::Text, &wrapped, &mut out),
-                }
+        match d {
+            Delta::Content(t) => self.text(Block::Text, &t, &mut out),
+            Delta::Reasoning(t) => self.text(Block::Thinking, &t, &mut out),
+            Delta::Call(c) => {
+                self.close(&mut out);
+                let mut block = tool_use_block(&c);
+                let input = std::mem::replace(&mut block["input"], json!({}));
+                let index = self.open(block, &mut out);
+                out.push((
+                    "content_block_delta",
+                    json!({"type": "content_block_delta", "index": index,
+                           "delta": {"type": "input_json_delta", "partial_json": input.to_string()}}),
+                ));
+                out.push((
+                    "content_block_stop",
+                    json!({"type": "content_block_stop", "index": index}),
+                ));
+                self.calls += 1;
             }
         }
         out
@@ -816,10 +816,10 @@ mod tests {
         let (mut s, first) = MessageEvents::start("msg_1", "t1");
         let mut evs = vec![first];
         for p in [
-            Piece::Reasoning("a".into()),
-            Piece::Reasoning("b".into()),
-            Piece::Content("x".into()),
-            Piece::Call(r#"{"name": "f", "arguments": {"k": 1}}"#.into()),
+            Delta::Reasoning("a".into()),
+            Delta::Reasoning("b".into()),
+            Delta::Content("x".into()),
+            Delta::Call(ToolCall::new("f", json!({"k": 1}))),
         ] {
             evs.extend(s.piece(p));
         }

@@ -12,7 +12,7 @@ use axum::extract::State;
 use axum::response::sse::{Event, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
-use mesh_tiers::chat;
+use mesh_tiers::format::Delta;
 use mesh_tiers::TokenEvent;
 use serde_json::{json, Value};
 use tokio::sync::mpsc;
@@ -22,7 +22,7 @@ use tracing::{info_span, Instrument};
 use super::error::{parse_body, ApiError};
 use super::openai::*;
 use super::HttpState;
-use crate::service::{CompleteCall, Prompt, Reply, Sampling};
+use crate::service::{CompleteCall, Prompt, Reply, ReplyEvent, Sampling};
 
 /// `POST /v1/chat/completions`.
 #[utoipa::path(post, path = "/v1/chat/completions", tag = "inference",
@@ -47,15 +47,16 @@ async fn chat_inner(state: &HttpState, body: &[u8]) -> Result<Response, ApiError
     let stream = r.stream;
     let include_usage = r.stream_options.as_ref().is_some_and(|o| o.include_usage);
     let call = r.into_call()?;
+    let logprobs = call.logprobs.is_some();
     let reply = state.service.chat(call).await?;
     if stream {
-        return Ok(stream_chat(reply, include_usage));
+        return Ok(stream_chat(reply, include_usage, logprobs));
     }
     let c = reply
         .collect()
         .instrument(info_span!("tier.generate"))
         .await?;
-    Ok(Json(chat_body(&c)).into_response())
+    Ok(Json(chat_body(&c, logprobs)).into_response())
 }
 
 /// Ends an SSE stream: the usage chunk (an empty-choices copy of `template`) when asked for,
@@ -77,178 +78,87 @@ fn sse_data(v: &Value) -> Result<Event, Infallible> {
     Ok(Event::default().data(v.to_string()))
 }
 
-/// Splits streamed chat text into content, reasoning and complete tool-call bodies.
-#[derive(Debug, Default)]
-pub struct StreamSplitter {
-    buf: String,
-    state: SplitState,
-}
-
-#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
-enum SplitState {
-    #[default]
-    Content,
-    Think,
-    Call,
-}
-
-/// A piece of streamed output.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Piece {
-    /// Answer text.
-    Content(String),
-    /// Reasoning text.
-    Reasoning(String),
-    /// A complete tool-call body (JSON text between the markers).
-    Call(String),
-}
-
-fn held_suffix(buf: &str, markers: &[&str]) -> usize {
-    markers
-        .iter()
-        .map(|m| {
-            (1..m.len().min(buf.len() + 1))
-                .rev()
-                .find(|&n| {
-                    buf.is_char_boundary(buf.len() - n) && m.starts_with(&buf[buf.len() - n..])
-                })
-                .unwrap_or(0)
-        })
-        .max()
-        .unwrap_or(0)
-}
-
-impl StreamSplitter {
-    /// Feeds text; returns the pieces that are complete.
-    pub fn push(&mut self, text: &str) -> Vec<Piece> {
-        self.buf.push_str(text);
-        let mut out = Vec::new();
-        loop {
-            match self.state {
-                SplitState::Content => {
-                    let next = [
-                        (chat::THINK, SplitState::Think),
-                        (chat::CALL, SplitState::Call),
-                    ]
-                    .iter()
-                    .filter_map(|(m, s)| self.buf.find(m).map(|i| (i, m.len(), *s)))
-                    .min_by_key(|x| x.0);
-                    if let Some((i, len, s)) = next {
-                        if i > 0 {
-                            out.push(Piece::Content(self.buf[..i].to_owned()));
-                        }
-                        self.buf.drain(..i + len);
-                        self.state = s;
-                        continue;
-                    }
-                    let keep = held_suffix(&self.buf, &[chat::THINK, chat::CALL]);
-                    let cut = self.buf.len() - keep;
-                    if cut > 0 {
-                        out.push(Piece::Content(self.buf[..cut].to_owned()));
-                        self.buf.drain(..cut);
-                    }
-                    break;
-                }
-                SplitState::Think => {
-                    if let Some(i) = self.buf.find(chat::END_THINK) {
-                        if i > 0 {
-                            out.push(Piece::Reasoning(self.buf[..i].to_owned()));
-                        }
-                        self.buf.drain(..i + chat::END_THINK.len());
-                        self.state = SplitState::Content;
-                        continue;
-                    }
-                    let keep = held_suffix(&self.buf, &[chat::END_THINK]);
-                    let cut = self.buf.len() - keep;
-                    if cut > 0 {
-                        out.push(Piece::Reasoning(self.buf[..cut].to_owned()));
-                        self.buf.drain(..cut);
-                    }
-                    break;
-                }
-                SplitState::Call => {
-                    if let Some(i) = self.buf.find(chat::END_CALL) {
-                        out.push(Piece::Call(self.buf[..i].to_owned()));
-                        self.buf.drain(..i + chat::END_CALL.len());
-                        self.state = SplitState::Content;
-                        continue;
-                    }
-                    break;
-                }
-            }
-        }
-        out
-    }
-
-    /// End of stream: whatever is held.
-    pub fn finish(&mut self) -> Vec<Piece> {
-        let rest = std::mem::take(&mut self.buf);
-        match std::mem::take(&mut self.state) {
-            _ if rest.is_empty() => vec![],
-            SplitState::Content => vec![Piece::Content(rest)],
-            SplitState::Think => vec![Piece::Reasoning(rest)],
-            SplitState::Call => vec![Piece::Content(format!("{}{rest}", chat::CALL))],
-        }
-    }
-}
-
-fn stream_chat(mut reply: Reply, include_usage: bool) -> Response {
+fn stream_chat(mut reply: Reply, include_usage: bool, logprobs: bool) -> Response {
     let (tx, rx) = mpsc::channel::<Result<Event, Infallible>>(64);
     let id = new_id("chatcmpl");
     let created = now_s();
     let model = reply.model.clone();
-    let chunk = move |delta: Value, finish: Option<&str>| {
+    let chunk = move |delta: Value, finish: Option<&str>, lp: Value| {
         json!({"id": id, "object": "chat.completion.chunk", "created": created, "model": model,
-               "choices": [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": null}]})
+               "choices": [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": lp}]})
     };
     tokio::spawn(
         async move {
-            if tx.send(sse_data(&chunk(json!({"role": "assistant", "content": ""}), None))).await.is_err() {
+            if tx
+                .send(sse_data(&chunk(
+                    json!({"role": "assistant", "content": ""}),
+                    None,
+                    Value::Null,
+                )))
+                .await
+                .is_err()
+            {
                 return;
             }
-            let mut split = StreamSplitter::default();
             let mut n_calls = 0usize;
-            let send_pieces = |pieces: Vec<Piece>, n_calls: &mut usize| -> Vec<Value> {
-                pieces
-                    .into_iter()
-                    .map(|p| match p {
-                        Piece::Content(t) => chunk(json!({"content": t}), None),
-                        Piece::Reasoning(t) => chunk(json!({"reasoning_content": t}), None),
-                        Piece::Call(body) => match chat::parse_output(&format!("{}{body}{}", chat::CALL, chat::END_CALL)).tool_calls.first() {
-                            Some(c) => {
-                                let calls = out_calls(std::slice::from_ref(c), *n_calls, true);
-                                *n_calls += 1;
-                                chunk(json!({"tool_calls": calls}), None)
+            // Log-probabilities ride on the next chunk that carries output.
+            let mut held_lp: Vec<mesh_tiers::TokenLogprobs> = vec![];
+            while let Some(ev) = reply.next_output().await {
+                match ev {
+                    ReplyEvent::Started { .. } => {}
+                    ReplyEvent::Output {
+                        deltas,
+                        logprobs: lp,
+                    } => {
+                        held_lp.extend(lp);
+                        for d in deltas {
+                            let delta = match d {
+                                Delta::Content(t) => json!({"content": t}),
+                                Delta::Reasoning(t) => json!({"reasoning_content": t}),
+                                Delta::Call(c) => {
+                                    let calls = out_calls(std::slice::from_ref(&c), n_calls, true);
+                                    n_calls += 1;
+                                    json!({"tool_calls": calls})
+                                }
+                            };
+                            let lp = if logprobs {
+                                logprobs_json(&std::mem::take(&mut held_lp))
+                            } else {
+                                Value::Null
+                            };
+                            if tx.send(sse_data(&chunk(delta, None, lp))).await.is_err() {
+                                return; // client went away: dropping `reply` cancels the sequence
                             }
-                            None => chunk(json!({"content": format!("{}{body}{}", chat::CALL, chat::END_CALL)}), None),
-                        },
-                    })
-                    .collect()
-            };
-            while let Some(ev) = reply.next().await {
-                let (pieces, done) = match ev {
-                    TokenEvent::Started { .. } => continue,
-                    TokenEvent::Token { text, .. } => (split.push(&text), None),
-                    TokenEvent::Done { finish, usage, tail } => {
-                        let mut p = split.push(&tail);
-                        p.extend(split.finish());
-                        (p, Some((finish, usage)))
+                        }
                     }
-                    TokenEvent::Error(e) => {
-                        let _ = tx.send(sse_data(&json!({"error": {"message": e, "type": "server_error"}}))).await;
+                    ReplyEvent::Done { finish, usage } => {
+                        let f = if n_calls > 0 {
+                            "tool_calls"
+                        } else {
+                            finish_str(finish)
+                        };
+                        let lp = if logprobs && !held_lp.is_empty() {
+                            logprobs_json(&held_lp)
+                        } else {
+                            Value::Null
+                        };
+                        let _ = tx.send(sse_data(&chunk(json!({}), Some(f), lp))).await;
+                        end_stream(
+                            &tx,
+                            include_usage.then(|| chunk(json!({}), None, Value::Null)),
+                            usage,
+                        )
+                        .await;
                         return;
                     }
-                };
-                for v in send_pieces(pieces, &mut n_calls) {
-                    if tx.send(sse_data(&v)).await.is_err() {
-                        return; // client went away: dropping `reply` cancels the sequence
+                    ReplyEvent::Error(e) => {
+                        let _ = tx
+                            .send(sse_data(
+                                &json!({"error": {"message": e, "type": "server_error"}}),
+                            ))
+                            .await;
+                        return;
                     }
-                }
-                if let Some((finish, usage)) = done {
-                    let f = if n_calls > 0 { "tool_calls" } else { finish_str(finish) };
-                    let _ = tx.send(sse_data(&chunk(json!({}), Some(f)))).await;
-                    end_stream(&tx, include_usage.then(|| chunk(json!({}), None)), usage).await;
-                    return;
                 }
             }
         }
@@ -314,6 +224,7 @@ async fn completions_inner(state: &HttpState, body: &[u8]) -> Result<Response, A
             },
             stop: r.stop.clone().map(StopField::into_vec).unwrap_or_default(),
             ignore_eos: r.ignore_eos,
+            logprobs: r.logprobs,
         })
         .await?;
     if !r.stream {
@@ -327,7 +238,7 @@ async fn completions_inner(state: &HttpState, body: &[u8]) -> Result<Response, A
                 index: 0,
                 text: c.text.clone(),
                 finish_reason: finish_str(c.finish).into(),
-                logprobs: None,
+                logprobs: r.logprobs.map(|_| completion_logprobs_json(&c.logprobs)),
             }],
             usage: OutUsage::from(c.usage),
             mesh: mesh_json(&c.mesh),
@@ -336,6 +247,7 @@ async fn completions_inner(state: &HttpState, body: &[u8]) -> Result<Response, A
     }
     let (tx, rx) = mpsc::channel::<Result<Event, Infallible>>(64);
     let (id, created, model) = (new_id("cmpl"), now_s(), reply.model.clone());
+    let want_lp = r.logprobs;
     tokio::spawn(async move {
         let chunk = |text: &str, finish: Option<&str>| {
             json!({"id": id, "object": "text_completion", "created": created, "model": model,
@@ -344,8 +256,12 @@ async fn completions_inner(state: &HttpState, body: &[u8]) -> Result<Response, A
         while let Some(ev) = reply.next().await {
             match ev {
                 TokenEvent::Started { .. } => {}
-                TokenEvent::Token { text, .. } => {
-                    if tx.send(sse_data(&chunk(&text, None))).await.is_err() {
+                TokenEvent::Token { text, logprobs, .. } => {
+                    let mut c = chunk(&text, None);
+                    if let (Some(_), Some(lp)) = (want_lp, logprobs) {
+                        c["choices"][0]["logprobs"] = completion_logprobs_json(&[*lp]);
+                    }
+                    if tx.send(sse_data(&c)).await.is_err() {
                         return;
                     }
                 }
@@ -374,59 +290,4 @@ async fn completions_inner(state: &HttpState, body: &[u8]) -> Result<Response, A
     Ok(Sse::new(ReceiverStream::new(rx))
         .keep_alive(KeepAlive::default())
         .into_response())
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn run(parts: &[&str]) -> Vec<Piece> {
-        let mut s = StreamSplitter::default();
-        let mut out: Vec<Piece> = parts.iter().flat_map(|p| s.push(p)).collect();
-        out.extend(s.finish());
-        // merge adjacent pieces of the same kind for stable comparisons
-        let mut merged: Vec<Piece> = Vec::new();
-        for p in out {
-            match (merged.last_mut(), p) {
-                (Some(Piece::Content(a)), Piece::Content(b)) => a.push_str(&b),
-                (Some(Piece::Reasoning(a)), Piece::Reasoning(b)) => a.push_str(&b),
-                (_, p) => merged.push(p),
-            }
-        }
-        merged
-    }
-
-    #[test]
-    fn splitter_separates_reasoning_calls_and_content() {
-        let got = run(&[
-            "<thi",
-            "nk>a + b",
-            "</think><tool_call>{\"name\"",
-            ": \"f\"}</tool_call>",
-            "done",
-        ]);
-        assert_eq!(
-            got,
-            vec![
-                Piece::Reasoning("a + b".into()),
-                Piece::Call("{\"name\": \"f\"}".into()),
-                Piece::Content("done".into())
-            ]
-        );
-    }
-
-    #[test]
-    fn splitter_holds_partial_markers_only() {
-        let mut s = StreamSplitter::default();
-        assert_eq!(s.push("hello <"), vec![Piece::Content("hello ".into())]);
-        assert_eq!(s.push("b"), vec![Piece::Content("<b".into())]);
-    }
-
-    #[test]
-    fn unterminated_call_becomes_content() {
-        assert_eq!(
-            run(&["<tool_call>{\"na"]),
-            vec![Piece::Content("<tool_call>{\"na".into())]
-        );
-    }
 }

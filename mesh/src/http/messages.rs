@@ -10,18 +10,16 @@ use axum::extract::State;
 use axum::response::sse::{Event, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
-use mesh_tiers::TokenEvent;
 use serde_json::{json, Value};
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
 use tracing::{info_span, Instrument};
 
 use super::anthropic::{message_body, message_id, MessageEvents, MessagesRequest, TokenCount};
-use super::chat::StreamSplitter;
 use super::error::{parse_body, ApiError, Dialect};
 use super::openai::mesh_json;
 use super::HttpState;
-use crate::service::{Reply, SpecInfo};
+use crate::service::{Reply, ReplyEvent, SpecInfo};
 
 /// `POST /v1/messages`.
 #[utoipa::path(post, path = "/v1/messages", tag = "inference",
@@ -95,24 +93,32 @@ fn stream_message(mut reply: Reply, stops: Vec<String>) -> Response {
                 return;
             }
             let _ = tx.send(sse("ping", &json!({"type": "ping"}))).await;
-            let mut split = StreamSplitter::default();
-            while let Some(ev) = reply.next().await {
-                let (pieces, done) = match ev {
-                    TokenEvent::Started { queued_ms } => {
-                        reply.mesh.queued_ms = queued_ms;
-                        continue;
+            while let Some(ev) = reply.next_output().await {
+                match ev {
+                    ReplyEvent::Started { queued_ms } => reply.mesh.queued_ms = queued_ms,
+                    ReplyEvent::Output { deltas, .. } => {
+                        for d in deltas {
+                            for (name, data) in events.piece(d) {
+                                if tx.send(sse(name, &data)).await.is_err() {
+                                    return; // client went away: dropping `reply` cancels the sequence
+                                }
+                            }
+                        }
                     }
-                    TokenEvent::Token { text, .. } => (split.push(&text), None),
-                    TokenEvent::Done {
-                        finish,
-                        usage,
-                        tail,
-                    } => {
-                        let mut p = split.push(&tail);
-                        p.extend(split.finish());
-                        (p, Some((finish, usage)))
+                    ReplyEvent::Done { finish, usage } => {
+                        let mut mesh = reply.mesh.clone();
+                        mesh.reasoning_capped = usage.reasoning_capped;
+                        mesh.speculative = SpecInfo::of(&usage);
+                        for (name, mut data) in events.finish(finish, usage, &stops) {
+                            if name == "message_delta" {
+                                // mesh's own details ride on the last delta (clients ignore it).
+                                data["mesh"] = mesh_json(&mesh);
+                            }
+                            let _ = tx.send(sse(name, &data)).await;
+                        }
+                        return;
                     }
-                    TokenEvent::Error(e) => {
+                    ReplyEvent::Error(e) => {
                         let _ = tx
                             .send(sse(
                                 "error",
@@ -121,26 +127,6 @@ fn stream_message(mut reply: Reply, stops: Vec<String>) -> Response {
                             .await;
                         return;
                     }
-                };
-                for p in pieces {
-                    for (name, data) in events.piece(p) {
-                        if tx.send(sse(name, &data)).await.is_err() {
-                            return; // client went away: dropping `reply` cancels the sequence
-                        }
-                    }
-                }
-                if let Some((finish, usage)) = done {
-                    let mut mesh = reply.mesh.clone();
-                    mesh.reasoning_capped = usage.reasoning_capped;
-                    mesh.speculative = SpecInfo::of(&usage);
-                    for (name, mut data) in events.finish(finish, usage, &stops) {
-                        if name == "message_delta" {
-                            // mesh's own details ride on the last delta (clients ignore it).
-                            data["mesh"] = mesh_json(&mesh);
-                        }
-                        let _ = tx.send(sse(name, &data)).await;
-                    }
-                    return;
                 }
             }
         }

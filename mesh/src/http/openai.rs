@@ -13,7 +13,7 @@ use mesh_tiers::chat::{ChatMessage, Role, ToolCall, ToolSpec};
 use mesh_tiers::FinishReason;
 
 use super::error::ApiError;
-use crate::service::{self, ChatCall, Completion, MeshInfo, Sampling, ToolChoice};
+use crate::service::{self, ChatCall, Completion, MeshInfo, ResponseFormat, Sampling, ToolChoice};
 
 /// `POST /v1/chat/completions` body.
 #[derive(Debug, Clone, Deserialize, ToSchema)]
@@ -59,6 +59,21 @@ pub struct ChatRequest {
     /// Cap on reasoning tokens inside `<think>` (extension); when spent the think block
     /// is closed and the model answers. Default: the node's reasoning policy.
     pub reasoning_budget: Option<usize>,
+    /// `{"type": "text"}`, `{"type": "json_object"}` or `{"type": "json_schema",
+    /// "json_schema": {"name": .., "schema": {..}}}`: the answer is held to it by a grammar.
+    #[serde(default)]
+    #[schema(value_type = Option<Object>)]
+    pub response_format: Option<Value>,
+    /// Return the log-probability of each generated token.
+    #[serde(default)]
+    pub logprobs: bool,
+    /// With `logprobs`: this many most likely alternatives per token (0-20).
+    pub top_logprobs: Option<usize>,
+    /// Extra variables for the model's chat template (as vLLM and llama.cpp's server take
+    /// them), e.g. `{"enable_thinking": false}`.
+    #[serde(default)]
+    #[schema(value_type = Option<Object>)]
+    pub chat_template_kwargs: Option<serde_json::Map<String, Value>>,
 }
 
 /// `stream_options`.
@@ -104,6 +119,12 @@ pub struct InMessage {
     /// Which call a tool message answers.
     #[serde(default)]
     pub tool_call_id: Option<String>,
+    /// The tool a tool message comes from, or the author's name.
+    #[serde(default)]
+    pub name: Option<String>,
+    /// An assistant turn's reasoning, sent back as it was received.
+    #[serde(default)]
+    pub reasoning_content: Option<String>,
 }
 
 /// A tool call inside a client message.
@@ -182,6 +203,8 @@ pub struct CompletionRequest {
     /// Ban end-of-generation tokens (extension).
     #[serde(default)]
     pub ignore_eos: bool,
+    /// Log-probabilities of each token with this many alternatives (0-5).
+    pub logprobs: Option<usize>,
 }
 
 /// Token counts in responses.
@@ -341,6 +364,7 @@ pub fn to_messages(input: &[InMessage]) -> Result<Vec<service::agent::AgentMessa
                         }
                         v => v.clone(),
                     },
+                    id: c.id.clone(),
                 })
                 .collect();
             Ok(service::agent::AgentMessage {
@@ -348,6 +372,9 @@ pub fn to_messages(input: &[InMessage]) -> Result<Vec<service::agent::AgentMessa
                     role,
                     content,
                     tool_calls,
+                    reasoning: m.reasoning_content.clone().filter(|r| !r.is_empty()),
+                    tool_call_id: m.tool_call_id.clone(),
+                    name: m.name.clone().filter(|_| role == Role::Tool),
                 },
                 call_ids: m
                     .tool_calls
@@ -401,6 +428,48 @@ pub fn to_tools(input: &[InTool]) -> Result<Vec<ToolSpec>, ApiError> {
         .collect()
 }
 
+/// `response_format`: `text`, `json_object`, or `json_schema` with its schema.
+pub fn to_response_format(v: Option<&Value>) -> Result<ResponseFormat, ApiError> {
+    let err = |m: &str| ApiError::bad_request(m, Some("response_format"));
+    let Some(v) = v.filter(|v| !v.is_null()) else {
+        return Ok(ResponseFormat::Text);
+    };
+    match v.get("type").and_then(Value::as_str) {
+        Some("text") => Ok(ResponseFormat::Text),
+        Some("json_object") => Ok(ResponseFormat::JsonObject),
+        Some("json_schema") => {
+            let schema = v
+                .pointer("/json_schema/schema")
+                .ok_or_else(|| err("response_format json_schema needs json_schema.schema"))?;
+            if !schema.is_object() {
+                return Err(err("json_schema.schema must be a JSON schema object"));
+            }
+            Ok(ResponseFormat::JsonSchema(schema.clone()))
+        }
+        Some(other) => Err(ApiError::bad_request(
+            format!("unsupported response_format type `{other}` (text, json_object, json_schema)"),
+            Some("response_format"),
+        )),
+        None => Err(err("response_format needs a type")),
+    }
+}
+
+/// `logprobs` and `top_logprobs`: how many alternatives per token, when asked at all.
+pub fn to_logprobs(logprobs: bool, top: Option<usize>) -> Result<Option<usize>, ApiError> {
+    match (logprobs, top) {
+        (_, Some(n)) if n > 20 => Err(ApiError::bad_request(
+            "top_logprobs must be between 0 and 20",
+            Some("top_logprobs"),
+        )),
+        (false, Some(_)) => Err(ApiError::bad_request(
+            "top_logprobs needs logprobs: true",
+            Some("top_logprobs"),
+        )),
+        (true, n) => Ok(Some(n.unwrap_or(0))),
+        (false, None) => Ok(None),
+    }
+}
+
 /// `tool_choice`: a string or `{"type": "function", "function": {"name": ...}}`.
 pub fn to_tool_choice(v: Option<&Value>) -> Result<ToolChoice, ApiError> {
     let err = |m: String| ApiError::bad_request(m, Some("tool_choice"));
@@ -451,6 +520,9 @@ impl ChatRequest {
             stop: self.stop.map(StopField::into_vec).unwrap_or_default(),
             reasoning_budget: self.reasoning_budget,
             ignore_eos: self.ignore_eos,
+            response_format: to_response_format(self.response_format.as_ref())?,
+            logprobs: to_logprobs(self.logprobs, self.top_logprobs)?,
+            template_kwargs: self.chat_template_kwargs.unwrap_or_default(),
             model: self.model,
         })
     }
@@ -467,14 +539,14 @@ pub fn finish_str(f: FinishReason) -> &'static str {
     }
 }
 
-/// Response tool calls with fresh ids (`index` in streamed deltas).
+/// Response tool calls (`index` in streamed deltas); each keeps the id the service gave it.
 pub fn out_calls(calls: &[ToolCall], start: usize, with_index: bool) -> Vec<OutToolCall> {
     calls
         .iter()
         .enumerate()
         .map(|(i, c)| OutToolCall {
             index: with_index.then_some(start + i),
-            id: format!("call_{}", &uuid::Uuid::new_v4().simple().to_string()[..24]),
+            id: c.id.clone().unwrap_or_else(|| service::call_id(None)),
             kind: "function".into(),
             function: OutFunctionCall {
                 name: c.name.clone(),
@@ -580,8 +652,42 @@ pub struct TextChoice {
     pub logprobs: Option<Value>,
 }
 
-/// A non-streamed chat completion body.
-pub fn chat_body(c: &Completion) -> ChatCompletion {
+/// `logprobs` of a chat choice: `{"content": [{token, logprob, bytes, top_logprobs}]}`.
+pub fn logprobs_json(lp: &[mesh_tiers::TokenLogprobs]) -> Value {
+    let entry = |e: &mesh_tiers::LogprobEntry| json!({"token": String::from_utf8_lossy(&e.bytes), "logprob": e.logprob, "bytes": e.bytes});
+    let content: Vec<Value> = lp
+        .iter()
+        .map(|t| {
+            let mut v = entry(&t.token);
+            v["top_logprobs"] = Value::Array(t.top.iter().map(entry).collect());
+            v
+        })
+        .collect();
+    json!({"content": content, "refusal": null})
+}
+
+/// `logprobs` of a text completion choice (the legacy shape): tokens, their
+/// log-probabilities, each position's alternatives, and text offsets.
+pub fn completion_logprobs_json(lp: &[mesh_tiers::TokenLogprobs]) -> Value {
+    let text = |e: &mesh_tiers::LogprobEntry| String::from_utf8_lossy(&e.bytes).into_owned();
+    let mut offset = 0usize;
+    let mut offsets = vec![];
+    for t in lp {
+        offsets.push(offset);
+        offset += text(&t.token).len();
+    }
+    json!({
+        "tokens": lp.iter().map(|t| text(&t.token)).collect::<Vec<_>>(),
+        "token_logprobs": lp.iter().map(|t| t.token.logprob).collect::<Vec<_>>(),
+        "top_logprobs": lp.iter().map(|t| {
+            t.top.iter().map(|e| (text(e), json!(e.logprob))).collect::<serde_json::Map<_, _>>()
+        }).collect::<Vec<_>>(),
+        "text_offset": offsets,
+    })
+}
+
+/// A non-streamed chat completion body (`logprobs` when the request asked for them).
+pub fn chat_body(c: &Completion, logprobs: bool) -> ChatCompletion {
     let parsed = &c.output;
     let finish = if !parsed.tool_calls.is_empty() {
         "tool_calls"
@@ -607,7 +713,7 @@ pub fn chat_body(c: &Completion) -> ChatCompletion {
                 tool_calls: out_calls(&parsed.tool_calls, 0, false),
             },
             finish_reason: finish.into(),
-            logprobs: None,
+            logprobs: logprobs.then(|| logprobs_json(&c.logprobs)),
         }],
         usage: OutUsage::from(c.usage),
         mesh: mesh_json(&c.mesh),
@@ -691,6 +797,7 @@ pub fn response_text(body: &Value) -> String {
                 .as_str()
                 .and_then(|a| serde_json::from_str::<Value>(a).ok())
                 .unwrap_or(Value::Null),
+            id: None,
         })
         .collect();
     service::tuner::scored_text(
@@ -714,7 +821,10 @@ mod tests {
             let r: ChatRequest = serde_json::from_value(body).unwrap();
             let call = r.into_call().unwrap();
             let p = crate::service::chat::prepare(&call, None).unwrap();
-            assert_eq!(p.prompt_text, t.prompt, "{} task", t.kind);
+            let text = mesh_tiers::chat::mesh_tiers_format()
+                .render_text(&p.input)
+                .unwrap();
+            assert_eq!(text, t.prompt, "{} task", t.kind);
         }
     }
 

@@ -73,6 +73,25 @@ pub fn export_tiers(
                     one(TierItem::Tokens(tokens))
                 })
             }
+            TierCall::Render { model, input } => {
+                let entry = engines.get(&model);
+                Box::pin(async move {
+                    let entry = entry.ok_or_else(|| {
+                        refused(ErrorClass::NotFound, format!("tier `{model}` is not running on this node"))
+                    })?;
+                    let input: mesh_tiers::format::ChatInput = serde_json::from_str(&input)
+                        .map_err(|e| refused(ErrorClass::InvalidRequest, format!("unreadable conversation: {e}")))?;
+                    let input = Box::new(input);
+                    let r = ractor::call!(entry.actor, |reply| TierMsg::Render { input, reply })
+                        .map_err(|e| refused(ErrorClass::Unavailable, format!("tier actor unavailable: {e}")))?
+                        .map_err(|e| refused(ErrorClass::InvalidRequest, e.to_string()))?;
+                    one(TierItem::Rendered {
+                        tokens: r.tokens,
+                        spec: serde_json::to_string(&r.spec).expect("a format spec serializes"),
+                        thinking_open: r.thinking_open,
+                    })
+                })
+            }
             TierCall::Generate(call) => {
                 let entry = engines.get(&call.model);
                 // The engine this node's quantization policy gives the call's role (the

@@ -577,7 +577,7 @@ impl Service {
                 .output
                 .tool_calls
                 .iter()
-                .map(|c| (call_id(), c.clone()))
+                .map(|c| (c.id.clone().unwrap_or_else(call_id), c.clone()))
                 .collect();
             let mut record = TurnRecord {
                 turn,
@@ -608,7 +608,14 @@ impl Service {
                 message: ChatMessage {
                     role: Role::Assistant,
                     content: content.clone(),
-                    tool_calls: calls.iter().map(|(_, c)| c.clone()).collect(),
+                    tool_calls: calls
+                        .iter()
+                        .map(|(id, c)| ToolCall {
+                            id: Some(id.clone()),
+                            ..c.clone()
+                        })
+                        .collect(),
+                    ..ChatMessage::default()
                 },
                 call_ids: calls.iter().map(|(id, _)| id.clone()).collect(),
                 tool_call_id: None,
@@ -669,10 +676,15 @@ impl Service {
                     record: rec.clone(),
                 })
                 .await;
+                let tool_name = rec.name.clone();
                 executed.push(rec);
                 let shown: String = text.chars().take(agent.settings.max_result_chars).collect();
                 t.messages.push(AgentMessage {
-                    message: ChatMessage::text(Role::Tool, shown),
+                    message: ChatMessage {
+                        tool_call_id: Some(cid.clone()),
+                        name: Some(tool_name),
+                        ..ChatMessage::text(Role::Tool, shown)
+                    },
                     call_ids: vec![],
                     tool_call_id: Some(cid),
                 });

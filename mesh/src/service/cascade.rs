@@ -29,11 +29,13 @@ impl Service {
         let p = prepare(&call, routed.as_ref())?;
         let mut first = self.find_tier_waiting(&policy.tiers[0], deadline).await?;
         let permit = self.permit()?;
-        // The tiers share one tokenizer (a cascade requirement), so one tokenization serves all.
-        let prompt = self
-            .tokenize(&mut first, &policy.tiers[0], p.prompt.clone())
-            .instrument(info_span!("tokenize"))
+        // The tiers share one tokenizer and chat format (a cascade requirement), so one
+        // rendering serves all.
+        let tp = self
+            .render(&mut first, &policy.tiers[0], &call, &p)
+            .instrument(info_span!("render"))
             .await?;
+        let prompt = tp.tokens.clone();
         tracing::Span::current().record("gen_ai.usage.input_tokens", prompt.len());
         let offered: Vec<&str> = p.shown.iter().map(|t| t.name.as_str()).collect();
         let role = RequestRole::classify(!p.shown.is_empty(), call.reasoning_budget);
@@ -74,7 +76,7 @@ impl Service {
             };
             let (target, engine, lease) = self.engine_for(target, tier, role, &live.quantization);
             let req = self
-                .build_request(&call, &p, prompt.clone(), target.max_seq_len(), live, role)
+                .build_request(&call, &p, &tp, target.max_seq_len(), live, role)
                 .await?;
             let job = Job {
                 model: tier.clone(),
@@ -85,14 +87,16 @@ impl Service {
             };
             let c = async {
                 let rx = self.submit(target, &job, deadline).await?;
-                job.reply(self, rx, None, None, arrived).collect().await
+                job.reply(self, rx, None, None, arrived, Some(tp.parse.clone()))
+                    .collect()
+                    .await
             }
             .instrument(
                 info_span!("cascade.tier", mesh.tier = %tier, mesh.verdict = tracing::field::Empty),
             )
             .await?;
             let out = cascade::Output {
-                text: &c.text,
+                parsed: &c.output,
                 margins: &c.margins,
                 truncated: c.finish != FinishReason::Stop,
             };
@@ -149,6 +153,9 @@ impl Service {
                 ..MeshInfo::default()
             },
             events: Timed::new(rx, &policy.model, metrics, arrived),
+            parse: Some(tp.parse),
+            parser: None,
+            pending_done: None,
             _hold: Hold {
                 _permit: Some(permit),
                 _lease: None,

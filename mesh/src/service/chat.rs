@@ -18,37 +18,37 @@ use mesh_actors::router::{self, RouteQuery, RouterProtocol};
 use mesh_control::policy::{Policy, Role as RequestRole};
 use mesh_control::Tool;
 use mesh_tiers::chat::{self, ChatMessage, Role, ToolSpec};
-use mesh_tiers::grammar;
+use mesh_tiers::format::grammar::{self, GrammarPlan};
+use mesh_tiers::format::parse::{ParseOptions, ToolNames};
+use mesh_tiers::format::{ChatInput, FormatSpec};
 use mesh_tiers::{GenerateRequest, SamplingParams, TierError};
 use tracing::{info_span, warn, Instrument};
 
-use super::dispatch::{RouteError, StartError, Target};
+use super::dispatch::{RenderError, RouteError, StartError, Target};
 use super::stream::Timed;
 use super::{
-    ChatCall, CompleteCall, Error, Hold, MeshInfo, Prompt, Reply, RouterInfo, Sampling, Service,
-    ToolChoice,
+    ChatCall, CompleteCall, Error, Hold, MeshInfo, Prompt, Reply, ResponseFormat, RouterInfo,
+    Sampling, Service, ToolChoice,
 };
 use crate::metrics::{EngineLabel, RoutingLabel};
 
-/// A chat call rendered for the tiers.
+/// A chat call ready for a tier: what its template renders, which tools it shows, and
+/// which calls `tool_choice` forces.
 pub(crate) struct Prepared {
-    /// The prompt as the model reads it (tests and logs).
-    #[cfg_attr(not(test), allow(dead_code))]
-    pub(crate) prompt_text: String,
-    /// The prompt as template and content parts (what is tokenized).
-    pub(crate) prompt: Vec<chat::PromptPart>,
+    /// The conversation and shown tools, for the tier's chat template.
+    pub(crate) input: ChatInput,
     /// Tools shown in the prompt.
     pub(crate) shown: Vec<ToolSpec>,
-    grammar: Option<String>,
-    trigger: Option<String>,
+    /// The tools one of which must be called (`required`, or the named one).
+    forced: Option<Vec<ToolSpec>>,
     pub(crate) scope: String,
     /// The tool router's top-1 score, when it routed this request (cascade entry tier,
     /// reasoning budget).
     pub(crate) confidence: Option<f32>,
 }
 
-/// Renders `call` (whose tools are already routed): the prompt, the tools it shows, the
-/// grammar `tool_choice` asks for, and the page scope.
+/// Checks `call` (whose tools are already routed): the conversation, the tools it shows,
+/// the calls `tool_choice` forces, and the page scope.
 pub(crate) fn prepare(call: &ChatCall, routed: Option<&RouterInfo>) -> Result<Prepared, Error> {
     if call.messages.is_empty() {
         return Err(Error::invalid(
@@ -56,25 +56,70 @@ pub(crate) fn prepare(call: &ChatCall, routed: Option<&RouterInfo>) -> Result<Pr
             Some("messages"),
         ));
     }
-    let (shown, grammar) = tool_plan(call.tools.clone(), &call.tool_choice)?;
-    let prompt = chat::render_prompt_parts(&call.messages, &shown);
-    let prompt_text = chat::prompt_text(&prompt);
-    let (grammar, trigger) = match grammar {
-        Some((g, true)) => (Some(g), Some(chat::CALL.to_owned())),
-        Some((g, false)) => (Some(g), None),
-        None => (None, None),
-    };
+    let (shown, forced) = tool_plan(call.tools.clone(), &call.tool_choice)?;
     // Prefix pages are shared only between requests offered the same tools.
     let scope = cache_scope(&shown);
     Ok(Prepared {
-        prompt_text,
-        prompt,
+        input: ChatInput {
+            messages: call.messages.clone(),
+            tools: shown.clone(),
+            kwargs: call.template_kwargs.clone(),
+        },
         shown,
-        grammar,
-        trigger,
+        forced,
         scope,
         confidence: routed.map(|i| i.top1),
     })
+}
+
+/// A prompt rendered by a tier, with the grammar its reply is held to and how the reply
+/// is read.
+pub(crate) struct TierPrompt {
+    /// Prompt tokens.
+    pub(crate) tokens: Vec<i32>,
+    grammar: Option<GrammarPlan>,
+    /// How the reply is parsed.
+    pub(crate) parse: ParseOptions,
+}
+
+/// The grammar and the parse options of a call on a tier with format `spec` (`thinking_open`:
+/// its rendered prompt opened a reasoning span): the forced calls' grammar, else
+/// `response_format`'s, else the lazy grammar of the shown tools.
+pub(crate) fn constrain(
+    call: &ChatCall,
+    p: &Prepared,
+    spec: &FormatSpec,
+    thinking_open: bool,
+) -> Result<(Option<GrammarPlan>, ParseOptions), Error> {
+    let tools_err = |m: String| Error::invalid(m, Some("tools"));
+    let grammar = if let Some(f) = &p.forced {
+        Some(grammar::tools(spec, f, true, thinking_open).map_err(tools_err)?)
+    } else {
+        let schema = match &call.response_format {
+            ResponseFormat::Text => None,
+            ResponseFormat::JsonObject => Some(serde_json::json!({"type": "object"})),
+            ResponseFormat::JsonSchema(s) => Some(s.clone()),
+        };
+        match schema {
+            Some(s) => Some(
+                grammar::json_answer(spec, &s, thinking_open)
+                    .map_err(|m| Error::invalid(m, Some("response_format")))?,
+            ),
+            None if p.shown.is_empty() => None,
+            None => Some(grammar::tools(spec, &p.shown, false, thinking_open).map_err(tools_err)?),
+        }
+    };
+    let parse = ParseOptions {
+        syntax: Some(spec.syntax),
+        think: spec.think.clone(),
+        thinking_open,
+        tools: if p.shown.is_empty() {
+            ToolNames::None
+        } else {
+            ToolNames::Only(p.shown.iter().map(|t| t.name.clone()).collect())
+        },
+    };
+    Ok((grammar, parse))
 }
 
 fn cache_scope(tools: &[ToolSpec]) -> String {
@@ -84,29 +129,20 @@ fn cache_scope(tools: &[ToolSpec]) -> String {
     format!("tools:{}", names.join(","))
 }
 
-/// Tools to show in the prompt and the grammar to apply (`(grammar, lazy)`), from
-/// `tool_choice`.
+/// Tools to show in the prompt and the ones a call must name, from `tool_choice`.
+#[allow(clippy::type_complexity)]
 pub(crate) fn tool_plan(
     tools: Vec<ToolSpec>,
     choice: &ToolChoice,
-) -> Result<(Vec<ToolSpec>, Option<(String, bool)>), Error> {
+) -> Result<(Vec<ToolSpec>, Option<Vec<ToolSpec>>), Error> {
     let err = |m: String| Error::invalid(m, Some("tool_choice"));
-    let g =
-        |r: Result<String, TierError>| r.map_err(|e| Error::invalid(e.to_string(), Some("tools")));
     match choice {
-        ToolChoice::Unset | ToolChoice::Auto if tools.is_empty() => Ok((tools, None)),
-        ToolChoice::Unset | ToolChoice::Auto => {
-            let gr = g(grammar::tool_call_grammar(&tools))?;
-            Ok((tools, Some((gr, true))))
-        }
+        ToolChoice::Unset | ToolChoice::Auto => Ok((tools, None)),
         ToolChoice::None => Ok((Vec::new(), None)),
         ToolChoice::Required if tools.is_empty() => {
             Err(err("tool_choice `required` needs at least one tool".into()))
         }
-        ToolChoice::Required => {
-            let gr = g(grammar::required_tool_call_grammar(&tools))?;
-            Ok((tools, Some((gr, false))))
-        }
+        ToolChoice::Required => Ok((tools.clone(), Some(tools))),
         ToolChoice::Named(name) => {
             let chosen: Vec<ToolSpec> = tools.iter().filter(|t| &t.name == name).cloned().collect();
             if chosen.is_empty() {
@@ -114,8 +150,7 @@ pub(crate) fn tool_plan(
                     "tool_choice names `{name}`, which is not in tools"
                 )));
             }
-            let gr = g(grammar::required_tool_call_grammar(&chosen))?;
-            Ok((tools, Some((gr, false))))
+            Ok((tools, Some(chosen)))
         }
     }
 }
@@ -241,6 +276,7 @@ pub(crate) struct Job {
 impl Job {
     /// The reply of this job's token stream `rx`, holding `permit` (and the engine's lease)
     /// until it is dropped.
+    #[allow(clippy::too_many_arguments)]
     pub(crate) fn reply(
         self,
         service: &Service,
@@ -248,6 +284,7 @@ impl Job {
         permit: Option<tokio::sync::OwnedSemaphorePermit>,
         router: Option<RouterInfo>,
         arrived: Instant,
+        parse: Option<ParseOptions>,
     ) -> Reply {
         let s = &self.req.sampling;
         Reply {
@@ -259,6 +296,9 @@ impl Job {
                 ..MeshInfo::default()
             },
             events: Timed::new(rx, &self.model, service.metrics().clone(), arrived),
+            parse,
+            parser: None,
+            pending_done: None,
             model: self.model,
             _hold: Hold {
                 _permit: permit,
@@ -319,27 +359,70 @@ impl Service {
         loop {
             match d.tokenize(target, model, parts.clone()).await {
                 Ok(t) => return Ok(t),
-                Err(why) => {
-                    if let Target::Remote { node, .. } = &*target {
-                        failed.push(node.clone());
-                    }
-                    let next = match &*target {
-                        Target::Remote { .. } if failed.len() < super::dispatch::MAX_ATTEMPTS => {
-                            d.route(model, &failed).ok()
-                        }
-                        _ => None,
-                    };
-                    match next {
-                        Some(t) => *target = t,
-                        None => {
-                            return Err(Error::unavailable(format!(
-                                "No node hosting `{model}` is available right now ({why}); retry shortly."
-                            )))
-                        }
-                    }
-                }
+                Err(why) => self.fail_over(target, model, &mut failed, &why)?,
             }
         }
+    }
+
+    /// After `target` could not answer (`why`): moves it to the next node hosting `model`
+    /// (a remote target, at most [`super::dispatch::MAX_ATTEMPTS`] nodes), or gives up.
+    fn fail_over(
+        &self,
+        target: &mut Target,
+        model: &str,
+        failed: &mut Vec<String>,
+        why: &str,
+    ) -> Result<(), Error> {
+        if let Target::Remote { node, .. } = &*target {
+            failed.push(node.clone());
+        }
+        let next = match &*target {
+            Target::Remote { .. } if failed.len() < super::dispatch::MAX_ATTEMPTS => {
+                self.inner.dispatcher.route(model, failed).ok()
+            }
+            _ => None,
+        };
+        match next {
+            Some(t) => {
+                *target = t;
+                Ok(())
+            }
+            None => Err(Error::unavailable(format!(
+                "No node hosting `{model}` is available right now ({why}); retry shortly."
+            ))),
+        }
+    }
+
+    /// Renders `p`'s conversation with the chat template of `model` on `target` and reads
+    /// the grammar and parse options off its format; if that node fails, moves `target` to
+    /// the next node hosting the tier and tries there. A template that refuses the
+    /// conversation is the caller's error.
+    pub(crate) async fn render(
+        &self,
+        target: &mut Target,
+        model: &str,
+        call: &ChatCall,
+        p: &Prepared,
+    ) -> Result<TierPrompt, Error> {
+        let d = &self.inner.dispatcher;
+        let mut failed: Vec<String> = vec![];
+        let r = loop {
+            match d.render(target, model, &p.input).await {
+                Ok(r) => break r,
+                Err(RenderError::Refused(m)) => {
+                    return Err(Error::invalid(m, Some("messages")));
+                }
+                Err(RenderError::Unavailable(why)) => {
+                    self.fail_over(target, model, &mut failed, &why)?
+                }
+            }
+        };
+        let (grammar, parse) = constrain(call, p, &r.spec, r.thinking_open)?;
+        Ok(TierPrompt {
+            tokens: r.tokens,
+            grammar,
+            parse,
+        })
     }
 
     /// With more tools than `route_above`, the router actor keeps its top-k for the
@@ -462,11 +545,12 @@ impl Service {
         &self,
         call: &ChatCall,
         p: &Prepared,
-        prompt: Vec<i32>,
+        tp: &TierPrompt,
         max_seq_len: usize,
         policy: &Policy,
         role: RequestRole,
     ) -> Result<GenerateRequest, Error> {
+        let prompt = tp.tokens.clone();
         let max_tokens = budget(
             self.settings().default_max_tokens,
             max_seq_len,
@@ -482,8 +566,17 @@ impl Service {
             max_tokens,
             sampling,
             stop: call.stop.clone(),
-            grammar: p.grammar.clone(),
-            grammar_trigger: p.trigger.clone(),
+            grammar: tp.grammar.as_ref().map(|g| g.grammar.clone()),
+            grammar_trigger: tp
+                .grammar
+                .as_ref()
+                .and_then(|g| g.trigger_words.first().cloned()),
+            grammar_patterns: tp
+                .grammar
+                .as_ref()
+                .map(|g| g.trigger_patterns.clone())
+                .unwrap_or_default(),
+            logprobs: call.logprobs,
             ignore_eos: call.ignore_eos,
             request_id: String::new(),
             cache_scope: p.scope.clone(),
@@ -577,7 +670,11 @@ impl Service {
         };
         let p = prepare(&call, routed.as_ref())?;
         let mut tier = self.find_tier_waiting(&model, self.deadline()).await?;
-        Ok(self.tokenize(&mut tier, &model, p.prompt).await?.len())
+        Ok(self
+            .render(&mut tier, &model, &call, &p)
+            .await?
+            .tokens
+            .len())
     }
 
     /// A chat completion under `policy` (the live one, or a tuner trial's).
@@ -595,15 +692,16 @@ impl Service {
             let p = prepare(&call, routed.as_ref())?;
             let mut tier = self.find_tier_waiting(&call.model, deadline).await?;
             let permit = self.permit()?;
-            let prompt = self
-                .tokenize(&mut tier, &call.model, p.prompt.clone())
-                .instrument(info_span!("tokenize"))
+            let tp = self
+                .render(&mut tier, &call.model, &call, &p)
+                .instrument(info_span!("render"))
                 .await?;
+            let prompt = &tp.tokens;
             // With the prompt known, prefer a node that holds its prefix pages.
             let tier = self
                 .inner
                 .dispatcher
-                .route_prompt(&call.model, &prompt, &p.scope)
+                .route_prompt(&call.model, prompt, &p.scope)
                 .await
                 .unwrap_or(tier);
             tracing::Span::current().record("gen_ai.usage.input_tokens", prompt.len());
@@ -611,7 +709,7 @@ impl Service {
             let (tier, engine, lease) =
                 self.engine_for(tier, &call.model, role, &policy.quantization);
             let req = self
-                .build_request(&call, &p, prompt, tier.max_seq_len(), &policy, role)
+                .build_request(&call, &p, &tp, tier.max_seq_len(), &policy, role)
                 .await?;
             let job = Job {
                 model: call.model.clone(),
@@ -624,7 +722,7 @@ impl Service {
                 .submit(tier, &job, deadline)
                 .instrument(info_span!("tier.submit"))
                 .await?;
-            Ok(job.reply(self, rx, Some(permit), routed, arrived))
+            Ok(job.reply(self, rx, Some(permit), routed, arrived, Some(tp.parse)))
         }
         .instrument(span.clone())
         .await
@@ -672,6 +770,7 @@ impl Service {
                 sampling: sampling(&call.sampling)?,
                 stop: call.stop,
                 ignore_eos: call.ignore_eos,
+                logprobs: call.logprobs,
                 ..Default::default()
             };
             let job = Job {
@@ -682,7 +781,7 @@ impl Service {
                 role,
             };
             let rx = self.submit(tier, &job, deadline).await?;
-            Ok(job.reply(self, rx, Some(permit), None, arrived))
+            Ok(job.reply(self, rx, Some(permit), None, arrived, None))
         }
         .instrument(span.clone())
         .await
@@ -712,11 +811,9 @@ mod tests {
             content: content.into(),
             tool_calls: calls
                 .iter()
-                .map(|n| chat::ToolCall {
-                    name: (*n).into(),
-                    arguments: json!({}),
-                })
+                .map(|n| chat::ToolCall::new(*n, json!({})))
                 .collect(),
+            ..ChatMessage::default()
         }
     }
 
@@ -782,21 +879,60 @@ mod tests {
 
     #[test]
     fn tool_choice_none_hides_tools() {
-        let (shown, g) = tool_plan(tools(), &ToolChoice::None).unwrap();
-        assert!(shown.is_empty() && g.is_none());
+        let (shown, forced) = tool_plan(tools(), &ToolChoice::None).unwrap();
+        assert!(shown.is_empty() && forced.is_none());
     }
 
     #[test]
-    fn auto_offers_tools_under_a_lazy_grammar() {
-        let (shown, g) = tool_plan(tools(), &ToolChoice::Unset).unwrap();
+    fn auto_offers_tools_without_forcing_a_call() {
+        let (shown, forced) = tool_plan(tools(), &ToolChoice::Unset).unwrap();
         assert_eq!(shown.len(), 1);
-        assert!(g.unwrap().1, "auto uses a lazy grammar");
+        assert!(forced.is_none());
     }
 
     #[test]
     fn a_named_tool_is_forced() {
-        let (_, g) = tool_plan(tools(), &ToolChoice::Named("f".into())).unwrap();
-        assert!(!g.unwrap().1);
+        let (_, forced) = tool_plan(tools(), &ToolChoice::Named("f".into())).unwrap();
+        assert_eq!(forced.unwrap()[0].name, "f");
+    }
+
+    fn call_with(choice: ToolChoice, format: ResponseFormat) -> ChatCall {
+        ChatCall {
+            messages: vec![ChatMessage::text(Role::User, "q")],
+            tools: tools(),
+            tool_choice: choice,
+            response_format: format,
+            ..ChatCall::default()
+        }
+    }
+
+    #[test]
+    fn auto_gets_the_lazy_grammar_of_the_formats_syntax() {
+        let call = call_with(ToolChoice::Auto, ResponseFormat::Text);
+        let p = prepare(&call, None).unwrap();
+        let (g, parse) = constrain(&call, &p, &FormatSpec::mesh_tiers(), false).unwrap();
+        assert!(g.unwrap().is_lazy());
+        assert_eq!(parse.tools, ToolNames::Only(vec!["f".into()]));
+    }
+
+    #[test]
+    fn response_format_json_constrains_from_the_first_token() {
+        let mut call = call_with(ToolChoice::None, ResponseFormat::JsonObject);
+        call.tools.clear();
+        let p = prepare(&call, None).unwrap();
+        let (g, parse) = constrain(&call, &p, &FormatSpec::mesh_tiers(), false).unwrap();
+        let g = g.unwrap();
+        assert!(!g.is_lazy() && g.grammar.starts_with("root ::= mesh-think? mesh-json"));
+        assert_eq!(parse.tools, ToolNames::None);
+    }
+
+    #[test]
+    fn tool_choice_none_parses_no_calls() {
+        let call = call_with(ToolChoice::None, ResponseFormat::Text);
+        let p = prepare(&call, None).unwrap();
+        let (g, parse) = constrain(&call, &p, &FormatSpec::mesh_tiers(), false).unwrap();
+        assert!(g.is_none());
+        assert_eq!(parse.tools, ToolNames::None);
     }
 
     #[test]

@@ -70,6 +70,15 @@ pub enum RouteError {
     NoneAvailable,
 }
 
+/// Why a conversation was not rendered.
+#[derive(Debug, Clone)]
+pub enum RenderError {
+    /// The tier's chat template refused it: the caller's to fix.
+    Refused(String),
+    /// The node could not answer: another may.
+    Unavailable(String),
+}
+
 /// Why a start failed.
 #[derive(Debug)]
 pub enum StartError {
@@ -294,6 +303,39 @@ impl Dispatcher {
             .await
             .unwrap_or_default();
         held.iter().take_while(|h| **h).count()
+    }
+
+    /// Renders a conversation with the target's chat template and tokenizes it.
+    ///
+    /// Cancel safety: cancel-safe.
+    pub async fn render(
+        &self,
+        target: &Target,
+        model: &str,
+        input: &mesh_tiers::format::ChatInput,
+    ) -> Result<tier_wire::Rendered, RenderError> {
+        match target {
+            Target::Local(e) => {
+                let input = Box::new(input.clone());
+                match ractor::call!(e.actor, |reply| TierMsg::Render { input, reply }) {
+                    Ok(Ok(r)) => Ok(r),
+                    Ok(Err(e)) => Err(RenderError::Refused(e.to_string())),
+                    Err(e) => Err(RenderError::Unavailable(format!("tier unavailable: {e}"))),
+                }
+            }
+            Target::Remote { node, .. } => self
+                .cluster
+                .as_ref()
+                .expect("remote target has a cluster")
+                .render(node, model, input)
+                .await
+                .map_err(|e| match e {
+                    CallError::Remote(r) if r.class == ErrorClass::InvalidRequest => {
+                        RenderError::Refused(r.message)
+                    }
+                    e => RenderError::Unavailable(e.to_string()),
+                }),
+        }
     }
 
     /// Tokenizes the prompt `parts` with the target's tokenizer.

@@ -68,6 +68,7 @@ pub fn task_call(task: &Task, model: &str, max_tokens: usize) -> Result<ChatCall
                 role,
                 content: parsed.content,
                 tool_calls: parsed.tool_calls,
+                ..ChatMessage::default()
             });
         } else {
             messages.push(ChatMessage::text(role, content));
@@ -187,7 +188,8 @@ mod tests {
         for t in &tasks {
             let call = task_call(t, "t1", 64).unwrap();
             let p = super::super::chat::prepare(&call, None).unwrap_or_else(|e| panic!("{e}"));
-            assert_eq!(p.prompt_text, t.prompt, "{} task", t.kind);
+            let text = chat::mesh_tiers_format().render_text(&p.input).unwrap();
+            assert_eq!(text, t.prompt, "{} task", t.kind);
         }
     }
 
@@ -210,20 +212,11 @@ mod tests {
             completion: r#"<think>two</think><tool_call>{"name": "a", "arguments": {"x": 1}}</tool_call><tool_call>{"name": "b", "arguments": {}}</tool_call><|end|>"#.into(),
         };
         let calls = vec![
-            ToolCall {
-                name: "a".into(),
-                arguments: serde_json::json!({"x": 1}),
-            },
-            ToolCall {
-                name: "b".into(),
-                arguments: serde_json::json!({}),
-            },
+            ToolCall::new("a", serde_json::json!({"x": 1})),
+            ToolCall::new("b", serde_json::json!({})),
         ];
         assert!(eval::exact(&t, &scored_text(Some("two"), "", &calls)));
-        let wrong = vec![ToolCall {
-            name: "a".into(),
-            arguments: serde_json::json!({"x": 2}),
-        }];
+        let wrong = vec![ToolCall::new("a", serde_json::json!({"x": 2}))];
         assert!(!eval::exact(&t, &scored_text(None, "", &wrong)));
         let answer = Task {
             completion: "No tool fits.<|end|>".into(),

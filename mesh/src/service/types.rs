@@ -3,9 +3,12 @@
 //! what mesh says about how it served it ([`MeshInfo`]). The HTTP layer translates OpenAI's
 //! JSON to and from these; the agent loop and the tuner's probes use them directly.
 
-use mesh_tiers::chat::{ChatMessage, ParsedOutput, ToolSpec};
-use mesh_tiers::{FinishReason, TokenEvent, Usage};
+use mesh_tiers::chat::{ChatMessage, ParsedOutput, ToolCall, ToolSpec};
+use mesh_tiers::format::parse::{Delta, OutputParser, ParseOptions};
+use mesh_tiers::format::ToolSyntax;
+use mesh_tiers::{FinishReason, TokenEvent, TokenLogprobs, Usage};
 use serde::{Deserialize, Serialize};
+use serde_json::{Map, Value};
 
 pub use mesh_actors::engines::EngineInfo;
 pub use mesh_actors::router::Routed as RouterInfo;
@@ -24,6 +27,18 @@ pub enum ToolChoice {
     Required,
     /// The model must call this tool.
     Named(String),
+}
+
+/// The shape an answer must have (`response_format`).
+#[derive(Debug, Clone, Default, PartialEq)]
+pub enum ResponseFormat {
+    /// Free text.
+    #[default]
+    Text,
+    /// Any JSON object.
+    JsonObject,
+    /// JSON matching this schema.
+    JsonSchema(Value),
 }
 
 /// Sampling as the caller asked for it (checked by the service).
@@ -77,6 +92,13 @@ pub struct ChatCall {
     pub reasoning_budget: Option<usize>,
     /// Keep generating past end-of-generation (benchmarks).
     pub ignore_eos: bool,
+    /// The shape the answer must have.
+    pub response_format: ResponseFormat,
+    /// Log-probabilities of each token with this many alternatives (`None`: none).
+    pub logprobs: Option<usize>,
+    /// Extra variables for the chat template (`chat_template_kwargs`, e.g.
+    /// `enable_thinking`).
+    pub template_kwargs: Map<String, Value>,
 }
 
 /// A raw prompt.
@@ -103,6 +125,8 @@ pub struct CompleteCall {
     pub stop: Vec<String>,
     /// Keep generating past end-of-generation.
     pub ignore_eos: bool,
+    /// Log-probabilities of each token with this many alternatives (`None`: none).
+    pub logprobs: Option<usize>,
 }
 
 /// One tier attempt of a cascade request.
@@ -176,8 +200,11 @@ pub struct Completion {
     pub model: String,
     /// Generated text (special tokens as text, end token excluded).
     pub text: String,
-    /// The text split into reasoning, content and tool calls.
+    /// The text split into reasoning, content and tool calls (each call with its id), in
+    /// the tier's chat format.
     pub output: ParsedOutput,
+    /// Log-probabilities of every generated token, when asked for.
+    pub logprobs: Vec<TokenLogprobs>,
     /// Why generation stopped.
     pub finish: FinishReason,
     /// Tokens (a cascade's: every tier it tried).
@@ -190,6 +217,33 @@ pub struct Completion {
     pub events: Vec<TokenEvent>,
 }
 
+/// What a chat reply gives as it is read ([`Reply::next_output`]).
+#[derive(Debug, Clone, PartialEq)]
+pub enum ReplyEvent {
+    /// The request got a sequence after this long in the queue.
+    Started {
+        /// Milliseconds queued.
+        queued_ms: u64,
+    },
+    /// Output that is now certain (text, reasoning, complete tool calls with their ids),
+    /// and the log-probabilities of the tokens read since the last event, when asked for.
+    Output {
+        /// Parsed output, in order.
+        deltas: Vec<Delta>,
+        /// Log-probabilities of the tokens behind it.
+        logprobs: Vec<TokenLogprobs>,
+    },
+    /// The generation finished.
+    Done {
+        /// Why.
+        finish: FinishReason,
+        /// Token counts.
+        usage: Usage,
+    },
+    /// The generation failed.
+    Error(String),
+}
+
 /// A generation under way: its token events, and what mesh knew when it started.
 pub struct Reply {
     /// The model the caller asked for.
@@ -198,8 +252,35 @@ pub struct Reply {
     /// [`Reply::collect`]).
     pub mesh: MeshInfo,
     pub(crate) events: super::stream::Timed,
+    /// How the tier's output is parsed (`None`: raw completions, text only).
+    pub(crate) parse: Option<ParseOptions>,
+    /// The parser of [`Reply::next_output`], made on first use.
+    pub(crate) parser: Option<OutputParser>,
+    /// The end, given after the output its tail completed.
+    pub(crate) pending_done: Option<ReplyEvent>,
     /// Held until the reply is dropped: the concurrency permit, a variant engine's lease.
     pub(crate) _hold: super::Hold,
+}
+
+/// A fresh id for a call the model made: nine letters and digits for Mistral's templates
+/// (they refuse others), else `call_` and 24 hex digits.
+pub fn call_id(syntax: Option<ToolSyntax>) -> String {
+    let hex = uuid::Uuid::new_v4().simple().to_string();
+    match syntax {
+        Some(ToolSyntax::Mistral) => hex[..9].to_owned(),
+        _ => format!("call_{}", &hex[..24]),
+    }
+}
+
+/// Gives every call without an id a fresh one.
+fn with_ids(deltas: &mut [Delta], syntax: Option<ToolSyntax>) {
+    for d in deltas {
+        if let Delta::Call(ToolCall { id, .. }) = d {
+            if id.is_none() {
+                *id = Some(call_id(syntax));
+            }
+        }
+    }
 }
 
 impl std::fmt::Debug for Reply {
@@ -216,11 +297,66 @@ impl Reply {
         self.events.next().await
     }
 
+    /// The next parsed event of a chat reply (text, reasoning and calls as the tier's
+    /// format writes them); `None` after the last. A raw completion's text is all content.
+    ///
+    /// Cancel safety: cancel-safe.
+    pub async fn next_output(&mut self) -> Option<ReplyEvent> {
+        if let Some(done) = self.pending_done.take() {
+            return Some(done);
+        }
+        let syntax = self.parse.as_ref().and_then(|p| p.syntax);
+        if self.parser.is_none() {
+            self.parser = Some(OutputParser::new(self.parse.clone().unwrap_or_default()));
+        }
+        let ev = self.events.next().await?;
+        let parser = self.parser.as_mut().expect("made above");
+        Some(match ev {
+            TokenEvent::Started { queued_ms } => ReplyEvent::Started { queued_ms },
+            TokenEvent::Token { text, logprobs, .. } => {
+                let mut deltas = match &self.parse {
+                    Some(_) => parser.push(&text),
+                    None if text.is_empty() => vec![],
+                    None => vec![Delta::Content(text)],
+                };
+                with_ids(&mut deltas, syntax);
+                ReplyEvent::Output {
+                    deltas,
+                    logprobs: logprobs.map(|l| *l).into_iter().collect(),
+                }
+            }
+            TokenEvent::Done {
+                finish,
+                usage,
+                tail,
+            } => {
+                // The held text, then the end.
+                let mut deltas = match &self.parse {
+                    Some(_) => {
+                        let mut d = parser.push(&tail);
+                        d.extend(parser.finish());
+                        d
+                    }
+                    None if tail.is_empty() => vec![],
+                    None => vec![Delta::Content(tail)],
+                };
+                with_ids(&mut deltas, syntax);
+                self.pending_done = Some(ReplyEvent::Done { finish, usage });
+                ReplyEvent::Output {
+                    deltas,
+                    logprobs: vec![],
+                }
+            }
+            TokenEvent::Error(e) => ReplyEvent::Error(e),
+        })
+    }
+
     /// Reads the whole generation.
     pub async fn collect(mut self) -> Result<Completion, super::Error> {
         let mut text = String::new();
         let mut margins = Vec::new();
         let mut events = Vec::new();
+        let mut logprobs = Vec::new();
         while let Some(ev) = self.events.next().await {
             events.push(ev.clone());
             match ev {
@@ -228,10 +364,12 @@ impl Reply {
                 TokenEvent::Token {
                     text: piece,
                     margin,
+                    logprobs: lp,
                     ..
                 } => {
                     text.push_str(&piece);
                     margins.push(margin);
+                    logprobs.extend(lp.map(|l| *l));
                 }
                 TokenEvent::Done {
                     finish,
@@ -242,9 +380,26 @@ impl Reply {
                     let mut mesh = self.mesh;
                     mesh.reasoning_capped = usage.reasoning_capped;
                     mesh.speculative = SpecInfo::of(&usage);
+                    let output = match self.parse {
+                        Some(opts) => {
+                            let syntax = opts.syntax;
+                            let mut out = mesh_tiers::format::parse::parse_all(&text, opts);
+                            for c in &mut out.tool_calls {
+                                if c.id.is_none() {
+                                    c.id = Some(call_id(syntax));
+                                }
+                            }
+                            out
+                        }
+                        None => ParsedOutput {
+                            content: text.clone(),
+                            ..ParsedOutput::default()
+                        },
+                    };
                     return Ok(Completion {
                         model: self.model,
-                        output: mesh_tiers::chat::parse_output(&text),
+                        output,
+                        logprobs,
                         text,
                         finish,
                         usage,
