@@ -352,6 +352,11 @@ struct UpArgs {
     /// Only these tier names from the config or the bundled set (comma-separated).
     #[arg(long, value_delimiter = ',')]
     only: Vec<String>,
+    /// Chat template of the tiers: a Jinja file, or a built-in name (`chatml`,
+    /// `mesh-tiers`). Default: each GGUF's own `tokenizer.chat_template` (a tier's
+    /// `chat_template` in the node file sets one tier's).
+    #[arg(long, value_name = "FILE|NAME")]
+    chat_template: Option<String>,
     /// llama.cpp threads per tier.
     #[arg(long)]
     threads: Option<i32>,
@@ -460,6 +465,9 @@ fn node_config(a: &UpArgs) -> anyhow::Result<NodeConfig> {
         }
         if let Some(g) = a.gpu_layers {
             t.gpu_layers = g;
+        }
+        if let Some(c) = &a.chat_template {
+            t.chat_template = Some(c.clone());
         }
         if let Some(p) = a.parallel {
             t.n_seq_max = p;
