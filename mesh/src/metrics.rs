@@ -160,6 +160,8 @@ pub struct Metrics {
     pub tool_routing: Family<RoutingLabel, Counter>,
     /// Tool schemas the router kept out of prompts.
     pub tools_removed: Counter,
+    /// Replies asked again because the model repeated a call its last turn had answered.
+    pub repeated_calls: Family<ModelLabel, Counter>,
     /// Agent tasks by how they ended.
     pub agent_tasks: Family<StatusLabel, Counter>,
     /// Requests refused by API-key checks (`status`: `unauthenticated` or `forbidden`).
@@ -204,6 +206,7 @@ impl Default for Metrics {
             reasoning_budgeted: Family::default(),
             tool_routing: Family::default(),
             tools_removed: Counter::default(),
+            repeated_calls: Family::default(),
             agent_tasks: Family::default(),
             auth_refused: Family::default(),
             limits_hit: Family::default(),
@@ -273,6 +276,11 @@ impl Default for Metrics {
             "tool_routing",
             "Chat requests whose tools went through the tool router, by outcome",
             m.tool_routing.clone(),
+        );
+        registry.register(
+            "repeated_tool_calls",
+            "Replies generated again without calls because the model repeated a call the conversation had just answered",
+            m.repeated_calls.clone(),
         );
         registry.register(
             "tool_schemas_removed",

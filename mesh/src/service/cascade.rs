@@ -156,6 +156,8 @@ impl Service {
             parse: Some(tp.parse),
             parser: None,
             pending_done: None,
+            guard: None,
+            held: vec![],
             _hold: Hold {
                 _permit: Some(permit),
                 _lease: None,

@@ -20,7 +20,7 @@ use mesh_control::Tool;
 use mesh_tiers::chat::{self, ChatMessage, Role, ToolSpec};
 use mesh_tiers::format::grammar::{self, GrammarPlan};
 use mesh_tiers::format::parse::{ParseOptions, ToolNames};
-use mesh_tiers::format::{ChatInput, FormatSpec};
+use mesh_tiers::format::{ChatInput, FormatSpec, ToolSyntax};
 use mesh_tiers::{GenerateRequest, SamplingParams, TierError};
 use tracing::{info_span, warn, Instrument};
 
@@ -220,6 +220,20 @@ fn budget(
     }
 }
 
+/// The calls of the conversation's last assistant turn when only tool results follow it:
+/// what the model is now to answer from.
+pub(crate) fn answered_calls(messages: &[ChatMessage]) -> Vec<chat::ToolCall> {
+    if messages.last().is_none_or(|m| m.role != Role::Tool) {
+        return vec![];
+    }
+    match messages.iter().rposition(|m| m.role == Role::Assistant) {
+        Some(i) if messages[i + 1..].iter().all(|m| m.role == Role::Tool) => {
+            messages[i].tool_calls.clone()
+        }
+        _ => vec![],
+    }
+}
+
 /// What the tool router matches for the current step of a conversation.
 #[derive(Debug, Clone, PartialEq, Default)]
 pub(crate) struct StepQuery {
@@ -299,6 +313,8 @@ impl Job {
             parse,
             parser: None,
             pending_done: None,
+            guard: None,
+            held: vec![],
             model: self.model,
             _hold: Hold {
                 _permit: permit,
@@ -719,16 +735,87 @@ impl Service {
                 role,
             };
             let rx = self
-                .submit(tier, &job, deadline)
+                .submit(tier.clone(), &job, deadline)
                 .instrument(info_span!("tier.submit"))
                 .await?;
-            Ok(job.reply(self, rx, Some(permit), routed, arrived, Some(tp.parse)))
+            let guard = self.repeat_guard(&call, &tp, &tier, &job, deadline);
+            let mut reply = job.reply(self, rx, Some(permit), routed, arrived, Some(tp.parse));
+            reply.guard = guard;
+            Ok(reply)
         }
         .instrument(span.clone())
         .await
         .map(|mut reply| {
             reply.mesh.trace_id = crate::telemetry::trace_id(&span);
             reply
+        })
+    }
+
+    /// The retry of a reply that only repeats a call the conversation just answered: the
+    /// conversation rendered again without its tools (as `tool_choice: none` renders it),
+    /// the answer held to words ([`grammar::text_answer`]). A small model that loops on a
+    /// call its result is already there for then answers from the result. None when the
+    /// conversation does not end with tool results, or the reply's tokens must stay as they
+    /// come (log-probabilities asked for).
+    fn repeat_guard(
+        &self,
+        call: &ChatCall,
+        tp: &TierPrompt,
+        target: &Target,
+        job: &Job,
+        deadline: Instant,
+    ) -> Option<super::RepeatGuard> {
+        let answered = answered_calls(&call.messages);
+        if answered.is_empty() || call.logprobs.is_some() || tp.parse.tools == ToolNames::None {
+            return None;
+        }
+        let retry_call = ChatCall {
+            tool_choice: ToolChoice::None,
+            ..call.clone()
+        };
+        let mut req = job.req.clone();
+        req.grammar_trigger = None;
+        req.grammar_patterns = vec![];
+        let retry = Job {
+            model: job.model.clone(),
+            req,
+            engine: job.engine.clone(),
+            lease: job.lease.clone(),
+            role: job.role,
+        };
+        let (service, mut target) = (self.clone(), target.clone());
+        let metrics = self.metrics().clone();
+        let model = call.model.clone();
+        Some(super::RepeatGuard {
+            answered,
+            retry: Box::new(move || {
+                Box::pin(async move {
+                    let mut retry = retry;
+                    let p = prepare(&retry_call, None)?;
+                    let tp = service
+                        .render(&mut target, &retry.model, &retry_call, &p)
+                        .await?;
+                    let spec = FormatSpec {
+                        syntax: tp.parse.syntax.unwrap_or(ToolSyntax::Json),
+                        think: tp.parse.think.clone(),
+                        template_tools: true,
+                        template: String::new(),
+                    };
+                    retry.req.grammar =
+                        Some(grammar::text_answer(&spec, tp.parse.thinking_open).grammar);
+                    retry.req.prompt = tp.tokens;
+                    retry.req.cache_scope = p.scope;
+                    service.submit(target, &retry, deadline).await
+                })
+            }),
+            counted: Box::new(move || {
+                metrics
+                    .repeated_calls
+                    .get_or_create(&crate::metrics::ModelLabel {
+                        model: model.clone(),
+                    })
+                    .inc();
+            }),
         })
     }
 
@@ -875,6 +962,40 @@ mod tests {
             step_query(&[msg(Role::System, "s", &[]), msg(Role::User, " ", &[])]),
             None
         );
+    }
+
+    #[test]
+    fn a_conversation_ending_in_tool_results_has_answered_calls() {
+        let msgs = [
+            msg(Role::User, "weather?", &[]),
+            msg(Role::Assistant, "", &["get_weather"]),
+            msg(Role::Tool, "{\"t\": 18}", &[]),
+        ];
+        let a = answered_calls(&msgs);
+        assert_eq!(a.len(), 1);
+        assert_eq!(a[0].name, "get_weather");
+    }
+
+    #[test]
+    fn a_conversation_ending_with_the_user_has_none() {
+        let msgs = [
+            msg(Role::Assistant, "", &["get_weather"]),
+            msg(Role::Tool, "x", &[]),
+            msg(Role::User, "and now?", &[]),
+        ];
+        assert!(answered_calls(&msgs).is_empty());
+    }
+
+    #[test]
+    fn only_the_same_call_with_the_same_arguments_is_a_repeat() {
+        let answered = [chat::ToolCall::new("w", json!({"city": "Paris"}))];
+        let same = [chat::ToolCall::new("w", json!({"city": "Paris"}))];
+        let other_city = [chat::ToolCall::new("w", json!({"city": "Rome"}))];
+        let other_tool = [chat::ToolCall::new("t", json!({"city": "Paris"}))];
+        assert!(super::super::repeats_answered(&same, &answered));
+        assert!(!super::super::repeats_answered(&other_city, &answered));
+        assert!(!super::super::repeats_answered(&other_tool, &answered));
+        assert!(!super::super::repeats_answered(&[], &answered));
     }
 
     #[test]

@@ -35,6 +35,13 @@ impl Timed {
         }
     }
 
+    /// Reads `rx` from now on (a generation asked again); the one before is dropped, which
+    /// cancels it.
+    pub(crate) fn replace(&mut self, rx: mpsc::UnboundedReceiver<TokenEvent>) {
+        self.rx = rx;
+        self.last = None;
+    }
+
     /// The next event.
     ///
     /// Cancel safety: cancel-safe.

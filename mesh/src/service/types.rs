@@ -258,8 +258,44 @@ pub struct Reply {
     pub(crate) parser: Option<OutputParser>,
     /// The end, given after the output its tail completed.
     pub(crate) pending_done: Option<ReplyEvent>,
+    /// Asks again when the reply only repeats calls the conversation just answered.
+    pub(crate) guard: Option<RepeatGuard>,
+    /// Output held while the guard decides (until the first answer text or call).
+    pub(crate) held: Vec<Delta>,
     /// Held until the reply is dropped: the concurrency permit, a variant engine's lease.
     pub(crate) _hold: super::Hold,
+}
+
+/// Starts a generation again (with calls banned from the reply's start); its token stream.
+pub(crate) type Retry = Box<
+    dyn FnOnce() -> futures::future::BoxFuture<
+            'static,
+            Result<tokio::sync::mpsc::UnboundedReceiver<TokenEvent>, super::Error>,
+        > + Send,
+>;
+
+/// A reply to a conversation that ends with tool results: when the model's first call
+/// repeats one those results answered (the same name and arguments), the reply is
+/// generated again, once, as an answer in words ([`repeats_answered`]). The tokens of the
+/// first attempt are not in the reply's usage.
+pub(crate) struct RepeatGuard {
+    /// The calls the conversation's last tool results answered.
+    pub(crate) answered: Vec<ToolCall>,
+    /// How to ask again.
+    pub(crate) retry: Retry,
+    /// Counts the retry.
+    pub(crate) counted: Box<dyn Fn() + Send + Sync>,
+}
+
+/// Whether `calls` only repeat `answered` calls (same name, same arguments): a model
+/// looping on a call whose result it already has.
+pub fn repeats_answered(calls: &[ToolCall], answered: &[ToolCall]) -> bool {
+    !calls.is_empty()
+        && calls.iter().all(|c| {
+            answered
+                .iter()
+                .any(|a| a.name == c.name && a.arguments == c.arguments)
+        })
 }
 
 /// A fresh id for a call the model made: nine letters and digits for Mistral's templates
@@ -305,6 +341,82 @@ impl Reply {
         if let Some(done) = self.pending_done.take() {
             return Some(done);
         }
+        loop {
+            let ev = self.next_parsed().await?;
+            if self.guard.is_none() {
+                return Some(ev);
+            }
+            // Hold output until the reply shows whether it is an answer or a call.
+            let ReplyEvent::Output { deltas, .. } = &ev else {
+                if matches!(ev, ReplyEvent::Started { .. }) {
+                    return Some(ev);
+                }
+                return Some(self.release(ev));
+            };
+            self.held.extend(deltas.iter().cloned());
+            let decided = self.held.iter().find_map(|d| match d {
+                Delta::Call(c) => Some(Some(c.clone())),
+                Delta::Content(t) if !t.trim().is_empty() => Some(None),
+                _ => None,
+            });
+            match decided {
+                None if self.pending_done.is_some() => {
+                    let end = self.pending_done.take().expect("checked");
+                    return Some(self.release(end));
+                }
+                None => continue,
+                Some(Some(call)) => {
+                    let guard = self.guard.take().expect("checked");
+                    if repeats_answered(std::slice::from_ref(&call), &guard.answered) {
+                        (guard.counted)();
+                        match (guard.retry)().await {
+                            Ok(rx) => {
+                                self.events.replace(rx);
+                                self.answer_in_words();
+                                self.parser = None;
+                                self.pending_done = None;
+                                self.held.clear();
+                                continue;
+                            }
+                            Err(e) => return Some(ReplyEvent::Error(e.to_string())),
+                        }
+                    }
+                    return Some(self.release_held());
+                }
+                Some(None) => {
+                    self.guard = None;
+                    return Some(self.release_held());
+                }
+            }
+        }
+    }
+
+    /// After a retry: the answer is words, nothing in it is parsed as a call.
+    fn answer_in_words(&mut self) {
+        if let Some(p) = &mut self.parse {
+            p.tools = mesh_tiers::format::parse::ToolNames::None;
+        }
+    }
+
+    /// The held output, then `next` (the end).
+    fn release(&mut self, next: ReplyEvent) -> ReplyEvent {
+        self.guard = None;
+        if self.held.is_empty() {
+            return next;
+        }
+        self.pending_done = Some(next);
+        self.release_held()
+    }
+
+    fn release_held(&mut self) -> ReplyEvent {
+        ReplyEvent::Output {
+            deltas: std::mem::take(&mut self.held),
+            logprobs: vec![],
+        }
+    }
+
+    /// The next event of the tier's stream, parsed.
+    async fn next_parsed(&mut self) -> Option<ReplyEvent> {
         let syntax = self.parse.as_ref().and_then(|p| p.syntax);
         if self.parser.is_none() {
             self.parser = Some(OutputParser::new(self.parse.clone().unwrap_or_default()));
@@ -377,10 +489,10 @@ impl Reply {
                     tail,
                 } => {
                     text.push_str(&tail);
-                    let mut mesh = self.mesh;
+                    let mut mesh = self.mesh.clone();
                     mesh.reasoning_capped = usage.reasoning_capped;
                     mesh.speculative = SpecInfo::of(&usage);
-                    let output = match self.parse {
+                    let output = match self.parse.clone() {
                         Some(opts) => {
                             let syntax = opts.syntax;
                             let mut out = mesh_tiers::format::parse::parse_all(&text, opts);
@@ -396,6 +508,22 @@ impl Reply {
                             ..ParsedOutput::default()
                         },
                     };
+                    // A first call that repeats one the conversation just answered: ask
+                    // again, once, for an answer in words.
+                    if let Some(guard) = self.guard.take() {
+                        let first = output.tool_calls.first().cloned();
+                        let text_first = !output.content.trim().is_empty()
+                            && !text.trim_start().starts_with(['{', '[', '<', '`']);
+                        if let (Some(c), false) = (first, text_first) {
+                            if repeats_answered(std::slice::from_ref(&c), &guard.answered) {
+                                (guard.counted)();
+                                let rx = (guard.retry)().await?;
+                                self.events.replace(rx);
+                                self.answer_in_words();
+                                return Box::pin(self.collect()).await;
+                            }
+                        }
+                    }
                     return Ok(Completion {
                         model: self.model,
                         output,

@@ -132,6 +132,21 @@ pub fn json_answer(
     })
 }
 
+/// The grammar of an answer in words: its first character (after any reasoning) is a
+/// letter or a digit, so it cannot open a call (`{`, `[`, `<`, a fence, punctuation before
+/// one). Asked for when a model repeats a call that its conversation has just answered.
+pub fn text_answer(spec: &FormatSpec, thinking_open: bool) -> GrammarPlan {
+    let think = spec.think.as_ref();
+    let prefix = reasoning_prefix(think, thinking_open);
+    GrammarPlan {
+        grammar: format!(
+            "root ::= {prefix}mesh-first mesh-any*\nmesh-first ::= [^\\x00-\\x2f\\x3a-\\x40\\x5b-\\x60\\x7b-\\x7f]\nmesh-any ::= [^\\x00]\n{WS_RULE}\n{}",
+            think_rule(think)
+        ),
+        ..GrammarPlan::default()
+    }
+}
+
 /// What may come before the constrained part: a reasoning span (optional), or the rest of
 /// one the prompt opened.
 fn reasoning_prefix(think: Option<&ThinkMarkers>, thinking_open: bool) -> String {
@@ -380,6 +395,13 @@ mod tests {
         assert!(re.is_match("  { \"name\":"));
         assert!(!re.is_match("{   \"name\":"));
         assert!(!re.is_match("Sure {\"name\":"));
+    }
+
+    #[test]
+    fn a_text_answer_cannot_start_with_a_call() {
+        let g = text_answer(&spec(ToolSyntax::Hermes), false);
+        assert!(!g.is_lazy());
+        assert!(g.grammar.contains("mesh-first ::= [^\\x00-\\x2f\\x3a-\\x40\\x5b-\\x60\\x7b-\\x7f]"), "{}", g.grammar);
     }
 
     #[test]
