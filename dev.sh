@@ -3,7 +3,8 @@
 #
 #   ./dev.sh demo [ARGS]     set up, build only the demo, run it; ARGS go to agent_demo
 #   ./dev.sh test [ARGS]     set up, build (x86 and, with scripts/build-arm64.sh, arm64),
-#                            run the whole test suite (release profile); ARGS go to
+#                            pull the pack model qwen2.5-coder-0.5b-instruct with the built
+#                            mesh, run the whole test suite (release profile); ARGS go to
 #                            `cargo test`
 #   ./dev.sh bench [ARGS]    set up, build llama.cpp's llama-server, run mesh-bench;
 #                            ARGS go to mesh-bench
@@ -68,7 +69,7 @@ cmd_demo() {
 }
 
 cmd_test() {
-    scripts/setup.sh --arm64 --build
+    scripts/setup.sh --arm64 --build --models
     scripts/build-arm64.sh   # tests/tests/arm64.rs runs it under qemu
     local rc
     TEST_LOG="$(mktemp "${TMPDIR:-/tmp}/mesh-test.XXXXXX")"

