@@ -1,9 +1,15 @@
-//! The main job: start a local mesh node on the bundled models and run a short
-//! agent workload against its OpenAI-compatible API, printing what happened.
+//! The main job: start a local mesh node on the bundled models and a real instruct model,
+//! and run a short agent workload against its OpenAI-compatible API, printing what happened.
 //!
 //! ```text
-//! cargo run --release -p mesh --example agent_demo -- [--tasks N] [--agents N] [--tiers t1,t2,t3,cascade]
+//! cargo run --release -p mesh --example agent_demo -- [--tasks N] [--agents N] [--tiers t1,t2,t3,cascade,qwen05]
 //! ```
+//!
+//! `qwen05` is Qwen2.5-Coder-0.5B-Instruct from the model pack (`mesh models pull
+//! qwen2.5-coder-0.5b-instruct`; the demo pulls it on its first run, 491 MB), served with the
+//! chat template and tool-call format its GGUF carries. It does the same tasks as the
+//! bundled tiers, then one everyday exchange: a question, its tool call, the result, the
+//! answer. `--no-real-model` leaves it out.
 //!
 //! Each agent takes a task (a user request plus the tool schemas it may use,
 //! from the held-out split of the bundled corpus), asks the tier for the next
@@ -32,15 +38,27 @@ struct Args {
     tiers: Vec<String>,
     quiet: bool,
     mcp: bool,
+    real: bool,
 }
+
+/// The real model's tier name and its pack name.
+const REAL_TIER: &str = "qwen05";
+const REAL_MODEL: &str = "qwen2.5-coder-0.5b-instruct";
 
 fn args() -> Args {
     let mut a = Args {
         tasks: 12,
         agents: 4,
-        tiers: vec!["t1".into(), "t2".into(), "t3".into(), "cascade".into()],
+        tiers: vec![
+            "t1".into(),
+            "t2".into(),
+            "t3".into(),
+            "cascade".into(),
+            REAL_TIER.into(),
+        ],
         quiet: false,
         mcp: true,
+        real: true,
     };
     let mut it = std::env::args().skip(1);
     while let Some(flag) = it.next() {
@@ -51,9 +69,10 @@ fn args() -> Args {
             "--tiers" => a.tiers = val().split(',').map(str::to_owned).collect(),
             "--quiet" => a.quiet = true,
             "--no-mcp" => a.mcp = false,
+            "--no-real-model" => a.real = false,
             "-h" | "--help" => {
                 println!(
-                    "agent_demo [--tasks N] [--agents N] [--tiers t1,t2,t3,cascade] [--quiet] [--no-mcp]"
+                    "agent_demo [--tasks N] [--agents N] [--tiers t1,t2,t3,cascade,qwen05] [--quiet] [--no-mcp] [--no-real-model]"
                 );
                 std::process::exit(0);
             }
@@ -164,6 +183,21 @@ async fn main() -> anyhow::Result<()> {
         t.threads = 1;
         t.n_seq_max = a.agents.max(1) as u32;
         t.n_ctx = 2048 * t.n_seq_max;
+    }
+    let mut a = a;
+    if !a.real {
+        a.tiers.retain(|t| t != REAL_TIER);
+    }
+    if a.tiers.iter().any(|t| t == REAL_TIER) {
+        let n_seq_max = a.agents.max(1) as u32;
+        tiers.push(mesh_tiers::EngineConfig {
+            name: REAL_TIER.into(),
+            model: real_model().await?,
+            threads: 2,
+            n_seq_max,
+            n_ctx: 4096 * n_seq_max,
+            ..mesh_tiers::EngineConfig::default()
+        });
     }
     let mut cfg = NodeConfig {
         listen: "127.0.0.1:0".parse()?,
@@ -289,11 +323,62 @@ async fn main() -> anyhow::Result<()> {
         .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
         .sum();
     println!("\nnode metrics: {generated} tokens generated (see {base}/metrics while it runs)");
+    if a.tiers.iter().any(|t| t == REAL_TIER) {
+        everyday(&http, &base).await?;
+    }
     if mcp {
         mcp_rounds(&http, &base, &tasks, &a).await?;
     }
     let _ = stop_tx.send(());
     node.wait().await
+}
+
+/// The pack's Qwen2.5-Coder-0.5B-Instruct in the model cache, pulled (and checked) when it
+/// is not there yet.
+async fn real_model() -> anyhow::Result<std::path::PathBuf> {
+    let m = mesh::models::pack().get(REAL_MODEL)?;
+    let dir = mesh::models::cache_dir();
+    if let Some(p) = m.cached(&dir) {
+        return Ok(p);
+    }
+    println!(
+        "pulling {REAL_MODEL} ({} MB) into {} (once; `--no-real-model` skips it)",
+        m.download_size() / 1_000_000,
+        dir.display()
+    );
+    Ok(mesh::models::pull(m, &mesh::models::PullOptions::from_env()).await?)
+}
+
+/// One everyday exchange with the real model: a question, the call it makes, the tool's
+/// result, and the answer it gives from that result.
+async fn everyday(http: &reqwest::Client, base: &str) -> anyhow::Result<()> {
+    let tools = json!([{"type": "function", "function": {
+        "name": "get_weather", "description": "Get the current weather in a city.",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]);
+    let mut messages = vec![json!({"role": "user", "content": "What's the weather in Lisbon right now?"})];
+    println!("\n{REAL_TIER} (Qwen2.5-Coder-0.5B-Instruct, its own chat template), an everyday tool call:");
+    println!("  user:      {}", messages[0]["content"].as_str().unwrap_or(""));
+    for _ in 0..2 {
+        let r: Value = http
+            .post(format!("{base}/v1/chat/completions"))
+            .json(&json!({"model": REAL_TIER, "messages": messages, "tools": tools, "temperature": 0, "max_tokens": 96}))
+            .send()
+            .await?
+            .json()
+            .await?;
+        let msg = r["choices"][0]["message"].clone();
+        let Some(call) = msg["tool_calls"].get(0).cloned() else {
+            println!("  assistant: {}", msg["content"].as_str().unwrap_or(""));
+            break;
+        };
+        let args = call["function"]["arguments"].as_str().unwrap_or("{}");
+        println!("  call:      {}({args})", call["function"]["name"].as_str().unwrap_or(""));
+        let result = json!({"city": "Lisbon", "temperature_c": 21, "condition": "sunny"});
+        println!("  result:    {result}");
+        messages.push(msg);
+        messages.push(json!({"role": "tool", "tool_call_id": call["id"], "content": result.to_string()}));
+    }
+    Ok(())
 }
 
 /// The tasks again, run by the node with its MCP tools, twice.

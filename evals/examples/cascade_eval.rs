@@ -362,11 +362,12 @@ fn cascade(
                 (true, Some(s)) => s[i].expect("speculative time for a task reaching t3"),
                 _ => r.seconds,
             };
+            let parsed = mesh_tiers::chat::parse_output(&r.text);
             let a = assess(
                 policy,
                 j,
                 Output {
-                    text: &r.text,
+                    parsed: &parsed,
                     margins: &r.margins,
                     truncated: r.truncated,
                 },

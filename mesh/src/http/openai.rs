@@ -74,6 +74,10 @@ pub struct ChatRequest {
     #[serde(default)]
     #[schema(value_type = Option<Object>)]
     pub chat_template_kwargs: Option<serde_json::Map<String, Value>>,
+    /// Return the prompt's token ids (`prompt_token_ids`) and the answer's (`token_ids` of
+    /// the choice), as vLLM does (extension; not with `stream`).
+    #[serde(default)]
+    pub return_token_ids: bool,
 }
 
 /// `stream_options`.
@@ -523,6 +527,7 @@ impl ChatRequest {
             response_format: to_response_format(self.response_format.as_ref())?,
             logprobs: to_logprobs(self.logprobs, self.top_logprobs)?,
             template_kwargs: self.chat_template_kwargs.unwrap_or_default(),
+            return_token_ids: self.return_token_ids,
             model: self.model,
         })
     }
@@ -584,6 +589,9 @@ pub struct ChatCompletion {
     pub choices: Vec<ChatChoice>,
     /// Token counts.
     pub usage: OutUsage,
+    /// The prompt's token ids (with `return_token_ids`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub prompt_token_ids: Option<Vec<i32>>,
     /// mesh's own details: tier, seed, cascade steps, routing.
     #[schema(value_type = Object)]
     pub mesh: Value,
@@ -598,6 +606,9 @@ pub struct ChatChoice {
     pub message: OutMessage,
     /// `stop`, `length` or `tool_calls`.
     pub finish_reason: String,
+    /// The answer's token ids (with `return_token_ids`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub token_ids: Option<Vec<i32>>,
     /// Always null.
     #[schema(value_type = Option<Object>)]
     pub logprobs: Option<Value>,
@@ -713,9 +724,11 @@ pub fn chat_body(c: &Completion, logprobs: bool) -> ChatCompletion {
                 tool_calls: out_calls(&parsed.tool_calls, 0, false),
             },
             finish_reason: finish.into(),
+            token_ids: c.prompt_token_ids.as_ref().map(|_| c.token_ids.clone()),
             logprobs: logprobs.then(|| logprobs_json(&c.logprobs)),
         }],
         usage: OutUsage::from(c.usage),
+        prompt_token_ids: c.prompt_token_ids.clone(),
         mesh: mesh_json(&c.mesh),
     }
 }

@@ -158,6 +158,7 @@ impl Service {
             pending_done: None,
             guard: None,
             held: vec![],
+            prompt_token_ids: None,
             _hold: Hold {
                 _permit: Some(permit),
                 _lease: None,

@@ -315,6 +315,7 @@ impl Job {
             pending_done: None,
             guard: None,
             held: vec![],
+            prompt_token_ids: None,
             model: self.model,
             _hold: Hold {
                 _permit: permit,
@@ -741,6 +742,7 @@ impl Service {
             let guard = self.repeat_guard(&call, &tp, &tier, &job, deadline);
             let mut reply = job.reply(self, rx, Some(permit), routed, arrived, Some(tp.parse));
             reply.guard = guard;
+            reply.prompt_token_ids = call.return_token_ids.then(|| prompt.clone());
             Ok(reply)
         }
         .instrument(span.clone())

@@ -99,6 +99,8 @@ pub struct ChatCall {
     /// Extra variables for the chat template (`chat_template_kwargs`, e.g.
     /// `enable_thinking`).
     pub template_kwargs: Map<String, Value>,
+    /// Return the prompt's and the answer's token ids (as vLLM's `return_token_ids`).
+    pub return_token_ids: bool,
 }
 
 /// A raw prompt.
@@ -205,6 +207,10 @@ pub struct Completion {
     pub output: ParsedOutput,
     /// Log-probabilities of every generated token, when asked for.
     pub logprobs: Vec<TokenLogprobs>,
+    /// The prompt's token ids, when the call asked for them (`return_token_ids`).
+    pub prompt_token_ids: Option<Vec<i32>>,
+    /// The generated token ids, end token included when generation stopped on it.
+    pub token_ids: Vec<i32>,
     /// Why generation stopped.
     pub finish: FinishReason,
     /// Tokens (a cascade's: every tier it tried).
@@ -262,6 +268,8 @@ pub struct Reply {
     pub(crate) guard: Option<RepeatGuard>,
     /// Output held while the guard decides (until the first answer text or call).
     pub(crate) held: Vec<Delta>,
+    /// The prompt's token ids, when the call asked for them.
+    pub prompt_token_ids: Option<Vec<i32>>,
     /// Held until the reply is dropped: the concurrency permit, a variant engine's lease.
     pub(crate) _hold: super::Hold,
 }
@@ -469,18 +477,20 @@ impl Reply {
         let mut margins = Vec::new();
         let mut events = Vec::new();
         let mut logprobs = Vec::new();
+        let mut token_ids = Vec::new();
         while let Some(ev) = self.events.next().await {
             events.push(ev.clone());
             match ev {
                 TokenEvent::Started { queued_ms } => self.mesh.queued_ms = queued_ms,
                 TokenEvent::Token {
+                    id,
                     text: piece,
                     margin,
                     logprobs: lp,
-                    ..
                 } => {
                     text.push_str(&piece);
                     margins.push(margin);
+                    token_ids.push(id);
                     logprobs.extend(lp.map(|l| *l));
                 }
                 TokenEvent::Done {
@@ -528,6 +538,8 @@ impl Reply {
                         model: self.model,
                         output,
                         logprobs,
+                        prompt_token_ids: self.prompt_token_ids,
+                        token_ids,
                         text,
                         finish,
                         usage,
