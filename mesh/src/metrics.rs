@@ -355,11 +355,12 @@ struct TierLabel {
     tier: &'static str,
 }
 
-/// What the node collector reads at scrape time: the engines, and what the page-store actor
-/// reported just before the scrape (`Metrics::render`).
+/// What the node collector reads at scrape time: the engines, the service's dispatcher, and
+/// what the page-store actor reported just before the scrape (`Metrics::render`).
 #[derive(Debug, Clone, Default)]
 struct NodeCollector {
     engines: Arc<std::sync::OnceLock<mesh_actors::engines::Engines>>,
+    dispatcher: Arc<std::sync::OnceLock<Arc<crate::service::dispatch::Dispatcher>>>,
     store: Arc<std::sync::Mutex<Vec<NamespaceStats>>>,
     parts: Arc<std::sync::OnceLock<NodeParts>>,
 }
@@ -796,7 +797,10 @@ impl Collector for NodeCollector {
             "request_reruns",
             "Requests re-run (on a peer, or on this node's restarted engine) after the engine or node serving them failed",
             true,
-            &[(NoLabels {}, crate::service::dispatch::RERUNS.load(Relaxed))],
+            &[(
+                NoLabels {},
+                self.dispatcher.get().map_or(0, |d| d.reruns()),
+            )],
         )?;
         if let Some(parts) = self.parts.get() {
             let restarts: Vec<_> = parts
@@ -923,8 +927,9 @@ impl Collector for NodeCollector {
 struct NoLabels {}
 
 impl Metrics {
-    /// Metrics of a node; its engines, page stores and supervision tree are attached with
-    /// [`Metrics::watch_engines`] and [`Metrics::watch_node`].
+    /// Metrics of a node; its engines, dispatcher and supervision tree are attached with
+    /// [`Metrics::watch_engines`], [`Metrics::watch_dispatcher`] (by the service) and
+    /// [`Metrics::watch_node`].
     pub fn new() -> Self {
         let mut m = Self::default();
         m.registry.register_collector(Box::new(m.node.clone()));
@@ -941,6 +946,11 @@ impl Metrics {
     /// Exports the counters of the node's engines (first call wins).
     pub fn watch_engines(&self, engines: mesh_actors::engines::Engines) {
         let _ = self.node.engines.set(engines);
+    }
+
+    /// Exports the re-runs of the service's dispatcher (first call wins).
+    pub fn watch_dispatcher(&self, dispatcher: Arc<crate::service::dispatch::Dispatcher>) {
+        let _ = self.node.dispatcher.set(dispatcher);
     }
 
     /// Exports the restarts of the node's actors, the governor's decisions and the tracked

@@ -19,7 +19,7 @@ use super::openai::{to_messages, to_tool_choice, InMessage, OutUsage};
 use super::HttpState;
 use crate::keys::Principal;
 use crate::service::agent::{AgentMessage, TaskEvent, TaskOutcome, TaskSpec};
-use mesh_tiers::chat::Role;
+use crate::service::Role;
 
 /// Body of `POST /v1/agent/tasks`.
 #[derive(Debug, Deserialize, utoipa::ToSchema)]

@@ -16,13 +16,12 @@ use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
 use utoipa::ToSchema;
 
-use mesh_tiers::chat::{ChatMessage, Role, ToolCall, ToolSpec};
-use mesh_tiers::{FinishReason, Usage};
-
 use super::error::ApiError;
 use super::openai::mesh_json;
-use crate::service::{ChatCall, Completion, Sampling, ToolChoice};
-use mesh_tiers::format::Delta;
+use crate::service::{
+    ChatCall, ChatMessage, Completion, Delta, FinishReason, Role, Sampling, ToolCall, ToolChoice,
+    ToolSpec, Usage,
+};
 
 /// `POST /v1/messages` (and `/v1/messages/count_tokens`) body.
 #[derive(Debug, Clone, Deserialize, ToSchema)]

@@ -12,8 +12,6 @@ use axum::extract::State;
 use axum::response::sse::{Event, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
-use mesh_tiers::format::Delta;
-use mesh_tiers::TokenEvent;
 use serde_json::{json, Value};
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
@@ -22,7 +20,9 @@ use tracing::{info_span, Instrument};
 use super::error::{parse_body, ApiError};
 use super::openai::*;
 use super::HttpState;
-use crate::service::{CompleteCall, Prompt, Reply, ReplyEvent, Sampling};
+use crate::service::{
+    CompleteCall, Delta, Prompt, Reply, ReplyEvent, Sampling, TokenEvent, TokenLogprobs, Usage,
+};
 
 /// `POST /v1/chat/completions`.
 #[utoipa::path(post, path = "/v1/chat/completions", tag = "inference",
@@ -64,7 +64,7 @@ async fn chat_inner(state: &HttpState, body: &[u8]) -> Result<Response, ApiError
 async fn end_stream(
     tx: &mpsc::Sender<Result<Event, Infallible>>,
     template: Option<Value>,
-    usage: mesh_tiers::Usage,
+    usage: Usage,
 ) {
     if let Some(mut last) = template {
         last["choices"] = json!([]);
@@ -102,7 +102,7 @@ fn stream_chat(mut reply: Reply, include_usage: bool, logprobs: bool) -> Respons
             }
             let mut n_calls = 0usize;
             // Log-probabilities ride on the next chunk that carries output.
-            let mut held_lp: Vec<mesh_tiers::TokenLogprobs> = vec![];
+            let mut held_lp: Vec<TokenLogprobs> = vec![];
             while let Some(ev) = reply.next_output().await {
                 match ev {
                     ReplyEvent::Started { .. } => {}

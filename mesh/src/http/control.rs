@@ -1,25 +1,21 @@
 //! The tuner over HTTP: `POST /v1/control/tune` (one cycle: 200 with the applied change,
 //! 422 with the gate's reason, 409 while another runs), `GET /v1/control/policy` (the policy,
 //! knobs, decisions and engines) and `PUT /v1/control/policy` (an operator's reload: the
-//! body's sections replace the current ones). The work is the tuner actor's
-//! (`mesh_actors::tuner`); this module only translates.
-
-use std::time::Duration;
+//! body's sections replace the current ones). The work is the tuner's, through the
+//! service layer ([`crate::service::control`]); this module only translates.
 
 use axum::body::Bytes;
 use axum::extract::State;
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use axum::Json;
-use mesh_actors::supervisor::{self, ActorCallError};
-use mesh_actors::tuner::{self, TuneError, TuneOutcome, TuneRequest, TunerMsg};
-use mesh_control::gate::Verdict;
 use serde::Deserialize;
 use serde_json::{json, Value};
 
 use super::error::ApiError;
 use super::HttpState;
-use crate::service::{Error, Kind};
+use crate::service::control::{TuneOutcome, TuneRequest, Verdict};
+use crate::service::Error;
 
 /// `POST /v1/control/tune` body; all optional (empty body: the rules decide).
 #[derive(Debug, Default, Deserialize)]
@@ -31,11 +27,6 @@ struct TuneBody {
     objective: Option<String>,
 }
 
-/// How long a control call waits for a restarting tuner.
-const RESTART_WAIT: Duration = Duration::from_secs(1);
-/// Longest a cycle may take (two probe windows over up to a few hundred tasks).
-const CYCLE_TIMEOUT: Duration = Duration::from_secs(3600);
-
 fn verdict_str(v: Verdict) -> &'static str {
     match v {
         Verdict::Accept => "accept",
@@ -44,38 +35,15 @@ fn verdict_str(v: Verdict) -> &'static str {
     }
 }
 
-fn tune_error(e: TuneError) -> ApiError {
-    let (kind, param) = match &e {
-        TuneError::Disabled => (Kind::TunerDisabled, None),
-        TuneError::InProgress => (Kind::TuningInProgress, None),
-        TuneError::Invalid { param, .. } => (Kind::InvalidRequest, param.clone()),
-        TuneError::NotReady(_) => (Kind::NotReady, None),
-        TuneError::EngineStart(_) => (Kind::EngineStartFailed, Some("quantization".into())),
-        TuneError::Internal(_) => (Kind::Internal, None),
-    };
-    ApiError(Error {
-        kind,
-        message: e.to_string(),
-        param,
-        retry_after: None,
-    })
-}
-
-fn actor_error(e: ActorCallError) -> ApiError {
-    ApiError(Error::unavailable(format!("{e}; retry shortly")))
-}
-
 /// A cycle's outcome as `POST /v1/control/tune` answers it (and as the periodic cycles
 /// show their last one).
-pub(crate) fn tune_response(r: Result<TuneOutcome, TuneError>) -> (StatusCode, Value) {
+pub(crate) fn tune_response(r: Result<TuneOutcome, Error>) -> (StatusCode, Value) {
     match r {
         Err(e) => {
-            let e = tune_error(e);
-            let status = e.status();
-            let (_, kind, code) = super::error::class(e.0.kind);
+            let (status, kind, code) = super::error::class(e.kind);
             (
                 status,
-                json!({"error": {"message": e.0.message, "type": kind, "param": e.0.param, "code": code}}),
+                json!({"error": {"message": e.message, "type": kind, "param": e.param, "code": code}}),
             )
         }
         Ok(TuneOutcome::NoRuleFired { counters, version }) => (
@@ -145,23 +113,12 @@ pub(crate) async fn tune(State(state): State<HttpState>, body: Bytes) -> Respons
         value: body.value,
         objective: body.objective,
     };
-    let r = supervisor::call(
-        &state.tuner,
-        "tuner",
-        RESTART_WAIT,
-        CYCLE_TIMEOUT,
-        |reply| TunerMsg::Tune {
-            request: request.clone(),
-            reply,
-        },
-    )
-    .await;
-    match r {
+    match state.service.tune(request).await {
         Ok(out) => {
-            let (status, v) = tune_response(out);
+            let (status, v) = tune_response(Ok(out));
             (status, Json(v)).into_response()
         }
-        Err(e) => actor_error(e).into_response(),
+        Err(e) => ApiError(e).into_response(),
     }
 }
 
@@ -172,21 +129,13 @@ pub(crate) async fn tune(State(state): State<HttpState>, body: Bytes) -> Respons
         super::openapi::ControlErrors,
     ))]
 pub(crate) async fn show_policy(State(state): State<HttpState>) -> Response {
-    let view = match supervisor::call(
-        &state.tuner,
-        "tuner",
-        RESTART_WAIT,
-        Duration::from_secs(10),
-        TunerMsg::Show,
-    )
-    .await
-    {
+    let view = match state.service.tuner_view().await {
         Ok(v) => v,
-        Err(e) => return actor_error(e).into_response(),
+        Err(e) => return ApiError(e).into_response(),
     };
     let c = &view.cycles;
     let last = c.last.clone().map(|r| {
-        let (status, body) = tune_response(r);
+        let (status, body) = tune_response(r.map_err(Error::from));
         json!({"status": status.as_u16(), "body": body})
     });
     Json(json!({
@@ -225,30 +174,18 @@ pub(crate) async fn put_policy(State(state): State<HttpState>, body: Bytes) -> R
                 .into_response()
         }
     };
-    let r = supervisor::call(
-        &state.tuner,
-        "tuner",
-        RESTART_WAIT,
-        Duration::from_secs(600),
-        |reply| TunerMsg::Replace {
-            edit: {
-                let patch = patch.clone();
-                Box::new(move |p| tuner::merged_policy(p, &patch))
-            },
-            via: "PUT /v1/control/policy".into(),
-            reply,
-        },
-    )
-    .await;
-    match r {
-        Ok(Ok(done)) => Json(json!({
+    match state
+        .service
+        .replace_policy(patch, "PUT /v1/control/policy")
+        .await
+    {
+        Ok(done) => Json(json!({
             "version": done.version,
             "policy": done.policy,
             "decision": done.decision,
             "engines": done.engines,
         }))
         .into_response(),
-        Ok(Err(e)) => tune_error(e).into_response(),
-        Err(e) => actor_error(e).into_response(),
+        Err(e) => ApiError(e).into_response(),
     }
 }

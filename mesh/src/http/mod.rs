@@ -1,7 +1,6 @@
 //! The HTTP layer: axum handlers, OpenAI's wire types and SSE, and one error type with its
 //! code table. It translates and nothing more: every handler turns a request into a call
-//! on the service layer (`crate::service`) or a message to an actor, and the answer back
-//! into JSON.
+//! on the service layer (`crate::service`), and the answer back into JSON.
 //!
 //! Routes: `POST /v1/chat/completions`, `POST /v1/completions` ([`chat`]);
 //! `POST /v1/messages`, `POST /v1/messages/count_tokens` (Anthropic's API, [`messages`]);
@@ -38,9 +37,6 @@ use axum::http::StatusCode;
 use axum::routing::{get, post};
 use axum::Router;
 use futures::future::BoxFuture;
-use mesh_actors::node::NodeMsg;
-use mesh_actors::supervisor::ActorSlot;
-use mesh_actors::tuner::TunerMsg;
 
 use crate::service::Service;
 
@@ -67,19 +63,8 @@ pub struct Faults {
 pub struct HttpState {
     /// The service layer.
     pub service: Service,
-    /// The tuner actor.
-    pub tuner: Arc<ActorSlot<TunerMsg>>,
-    /// The node supervisor (children and their restarts, for `GET /v1/cluster`).
-    pub supervisor: Option<ractor::ActorRef<NodeMsg>>,
     /// Tier names this node starts with (for `/ready`; standby tiers are not waited for).
     pub expected_tiers: Vec<String>,
-    /// The planner and its view (cluster nodes).
-    pub planner: Option<(
-        Arc<ActorSlot<mesh_actors::planner::PlannerMsg>>,
-        Arc<mesh_actors::planner::PlannerView>,
-    )>,
-    /// This node's tier placement (`GET /v1/cluster`, `mesh status`), when planned.
-    pub placement: Option<mesh_control::placement::PlacementPlan>,
     /// Fault injection, when the node was started with it.
     pub faults: Option<Faults>,
     /// API keys; `None`: no key is asked for.

@@ -9,13 +9,12 @@ use axum::extract::State;
 use axum::http::{header, HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
-use mesh_actors::node::NodeMsg;
-use mesh_actors::pagestore::StoreMsg;
 use serde_json::{json, Value};
 use subtle_eq::constant_time_eq;
 
 use super::error::ApiError;
 use super::HttpState;
+use crate::service::TierAdvert;
 
 mod subtle_eq {
     /// Compares two byte strings in time that does not depend on where they differ.
@@ -91,7 +90,7 @@ pub(crate) struct ModelCard {
     meta: Value,
 }
 
-fn tier_json(t: &mesh_actors::wire::TierAdvert) -> Value {
+fn tier_json(t: &TierAdvert) -> Value {
     json!({"name": t.name, "active": t.active, "queued": t.queued, "n_seq_max": t.n_seq_max,
            "max_seq_len": t.max_seq_len, "kv_cells": t.kv_cells, "kv_reserved": t.kv_reserved,
            "pages": t.pages.len(), "started": t.started, "queued_ms_total": t.queued_ms_total})
@@ -131,12 +130,9 @@ pub(crate) async fn cluster(State(state): State<HttpState>) -> Json<Value> {
                 "uptime_s": null, "last_seen_ms": 0, "tiers": tiers.iter().map(tier_json).collect::<Vec<_>>()})]
         }
     };
-    let actors = match &state.supervisor {
-        Some(s) => ractor::call_t!(s, NodeMsg::Children, 2000).ok(),
-        None => None,
-    };
+    let actors = state.service.node_actors().await;
     // This node's pages by storage level, per namespace.
-    let store = store_stats(&state).await;
+    let store = state.service.store_stats().await;
     let page_levels: Vec<Value> = store
         .iter()
         .map(|n| {
@@ -156,21 +152,11 @@ pub(crate) async fn cluster(State(state): State<HttpState>) -> Json<Value> {
     Json(json!({
         "clustered": state.service.cluster().is_some(),
         "members": members,
-        "placement": state.placement,
+        "placement": state.service.placement(),
         "actors": actors,
         "page_levels": page_levels,
-        "planner": state.planner.as_ref().zip(state.service.cluster()).map(|((_, view), c)| view.status(c.name())),
+        "planner": state.service.planner_status(),
     }))
-}
-
-/// The page-store counters as the store actor has them now (none while it restarts).
-async fn store_stats(state: &HttpState) -> Vec<mesh_actors::pagestore::NamespaceStats> {
-    state
-        .service
-        .pages()
-        .call(StoreMsg::Stats)
-        .await
-        .unwrap_or_default()
 }
 
 /// `GET /health`.
@@ -208,7 +194,7 @@ pub(crate) async fn ready(State(state): State<HttpState>) -> Response {
 #[utoipa::path(get, path = "/metrics", tag = "node",
     responses((status = 200, description = "Prometheus text exposition", content_type = "text/plain", body = String)))]
 pub(crate) async fn metrics(State(state): State<HttpState>) -> Response {
-    let store = store_stats(&state).await;
+    let store = state.service.store_stats().await;
     (
         [(
             header::CONTENT_TYPE,

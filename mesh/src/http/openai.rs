@@ -9,11 +9,11 @@ use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
 use utoipa::ToSchema;
 
-use mesh_tiers::chat::{ChatMessage, Role, ToolCall, ToolSpec};
-use mesh_tiers::FinishReason;
-
 use super::error::ApiError;
-use crate::service::{self, ChatCall, Completion, MeshInfo, ResponseFormat, Sampling, ToolChoice};
+use crate::service::{
+    self, ChatCall, ChatMessage, Completion, FinishReason, LogprobEntry, MeshInfo, ResponseFormat,
+    Role, Sampling, TokenLogprobs, ToolCall, ToolChoice, ToolSpec, Usage,
+};
 
 /// `POST /v1/chat/completions` body.
 #[derive(Debug, Clone, Deserialize, ToSchema)]
@@ -243,8 +243,8 @@ pub struct CompletionDetails {
     pub reasoning_tokens: usize,
 }
 
-impl From<mesh_tiers::Usage> for OutUsage {
-    fn from(u: mesh_tiers::Usage) -> Self {
+impl From<Usage> for OutUsage {
+    fn from(u: Usage) -> Self {
         Self {
             prompt_tokens: u.prompt_tokens,
             completion_tokens: u.completion_tokens,
@@ -664,8 +664,8 @@ pub struct TextChoice {
 }
 
 /// `logprobs` of a chat choice: `{"content": [{token, logprob, bytes, top_logprobs}]}`.
-pub fn logprobs_json(lp: &[mesh_tiers::TokenLogprobs]) -> Value {
-    let entry = |e: &mesh_tiers::LogprobEntry| json!({"token": String::from_utf8_lossy(&e.bytes), "logprob": e.logprob, "bytes": e.bytes});
+pub fn logprobs_json(lp: &[TokenLogprobs]) -> Value {
+    let entry = |e: &LogprobEntry| json!({"token": String::from_utf8_lossy(&e.bytes), "logprob": e.logprob, "bytes": e.bytes});
     let content: Vec<Value> = lp
         .iter()
         .map(|t| {
@@ -679,8 +679,8 @@ pub fn logprobs_json(lp: &[mesh_tiers::TokenLogprobs]) -> Value {
 
 /// `logprobs` of a text completion choice (the legacy shape): tokens, their
 /// log-probabilities, each position's alternatives, and text offsets.
-pub fn completion_logprobs_json(lp: &[mesh_tiers::TokenLogprobs]) -> Value {
-    let text = |e: &mesh_tiers::LogprobEntry| String::from_utf8_lossy(&e.bytes).into_owned();
+pub fn completion_logprobs_json(lp: &[TokenLogprobs]) -> Value {
+    let text = |e: &LogprobEntry| String::from_utf8_lossy(&e.bytes).into_owned();
     let mut offset = 0usize;
     let mut offsets = vec![];
     for t in lp {
@@ -744,7 +744,7 @@ pub fn mesh_json(m: &MeshInfo) -> Value {
 /// A held-out task as the chat completion body that renders to exactly its prompt (see
 /// [`crate::service::tuner::task_call`]).
 pub fn task_request(
-    task: &mesh_tiers::eval::Task,
+    task: &service::tuner::Task,
     model: &str,
     max_tokens: usize,
 ) -> Result<Value, String> {

@@ -2,27 +2,18 @@
 //! scaled tier's replicas, queue time and pin, recent starts and drains) and
 //! `POST /v1/control/scale` (`{"tier": "t3", "replicas": 2}` pins a tier's replicas;
 //! `"replicas": null` hands it back to its `[scaling.tiers]` policy). Any node answers: its
-//! planner forwards to the one planning. The work is the planner actor's
-//! (`mesh_actors::planner`); this module only translates.
-
-use std::time::Duration;
+//! planner forwards to the one planning. The work is the planner's, through the service
+//! layer ([`crate::service::control::Scaling`]); this module only translates.
 
 use axum::body::Bytes;
 use axum::extract::State;
 use axum::http::header::CONTENT_TYPE;
 use axum::response::{IntoResponse, Response};
-use mesh_actors::planner::PlannerMsg;
-use mesh_actors::supervisor;
 use serde::Deserialize;
 
 use super::error::ApiError;
 use super::HttpState;
 use crate::service::Error;
-
-/// How long a call waits for a restarting planner.
-const RESTART_WAIT: Duration = Duration::from_secs(1);
-/// Longest the planner (or the one it forwards to) may take to answer.
-const CALL_TIMEOUT: Duration = Duration::from_secs(20);
 
 /// `POST /v1/control/scale` body.
 #[derive(Debug, Deserialize)]
@@ -35,25 +26,11 @@ struct ScaleBody {
     replicas: Option<u32>,
 }
 
-fn not_clustered() -> ApiError {
-    ApiError::bad_request(
-        "this node is not in a cluster: tiers scale across the nodes of one (`mesh join`)",
-        None,
-    )
-}
-
-fn answer(r: Result<Result<String, String>, supervisor::ActorCallError>) -> Response {
+/// The planner's status JSON as it came, or the error.
+fn answer(r: Result<String, Error>) -> Response {
     match r {
-        Ok(Ok(json)) => ([(CONTENT_TYPE, "application/json")], json).into_response(),
-        Ok(Err(why)) => {
-            let param = if why.contains("replicas cannot") {
-                "replicas"
-            } else {
-                "tier"
-            };
-            ApiError::bad_request(why, Some(param)).into_response()
-        }
-        Err(e) => ApiError(Error::unavailable(format!("{e}; retry shortly"))).into_response(),
+        Ok(json) => ([(CONTENT_TYPE, "application/json")], json).into_response(),
+        Err(e) => ApiError(e).into_response(),
     }
 }
 
@@ -64,15 +41,10 @@ fn answer(r: Result<Result<String, String>, supervisor::ActorCallError>) -> Resp
         super::openapi::ControlErrors,
     ))]
 pub(crate) async fn show(State(state): State<HttpState>) -> Response {
-    let Some((slot, _)) = &state.planner else {
-        return not_clustered().into_response();
-    };
-    answer(
-        supervisor::call(slot, "planner", RESTART_WAIT, CALL_TIMEOUT, |reply| {
-            PlannerMsg::Show { reply }
-        })
-        .await,
-    )
+    match state.service.scaling() {
+        Ok(scaling) => answer(scaling.status().await),
+        Err(e) => ApiError(e).into_response(),
+    }
 }
 
 /// `POST /v1/control/scale`: pins a tier's replicas (`replicas: null` unpins); answered with
@@ -85,8 +57,9 @@ pub(crate) async fn show(State(state): State<HttpState>) -> Response {
         super::openapi::ControlErrors,
     ))]
 pub(crate) async fn scale(State(state): State<HttpState>, body: Bytes) -> Response {
-    let Some((slot, _)) = &state.planner else {
-        return not_clustered().into_response();
+    let scaling = match state.service.scaling() {
+        Ok(s) => s,
+        Err(e) => return ApiError(e).into_response(),
     };
     let body: ScaleBody = match serde_json::from_slice(&body) {
         Ok(b) => b,
@@ -95,17 +68,5 @@ pub(crate) async fn scale(State(state): State<HttpState>, body: Bytes) -> Respon
                 .into_response()
         }
     };
-    if body.tier.is_empty() {
-        return ApiError::bad_request("tier must not be empty", Some("tier")).into_response();
-    }
-    answer(
-        supervisor::call(slot, "planner", RESTART_WAIT, CALL_TIMEOUT, |reply| {
-            PlannerMsg::Scale {
-                tier: body.tier.clone(),
-                replicas: body.replicas,
-                reply,
-            }
-        })
-        .await,
-    )
+    answer(scaling.pin(&body.tier, body.replicas).await)
 }

@@ -373,12 +373,12 @@ pub async fn start(
             ractor::call!(supervisor, |reply| NodeMsg::Adopt(planner, reply))
                 .map_err(|e| anyhow::anyhow!("starting the planner: {e}"))?
                 .map_err(|e| anyhow::anyhow!("starting the planner: {e}"))?;
-            let _ = dispatcher_for_peers.set(service::dispatch::Dispatcher {
-                engines: engines.clone(),
-                pages: pages.clone(),
-                cluster: Some(c.clone()),
-                restart_wait: Duration::ZERO,
-            });
+            let _ = dispatcher_for_peers.set(service::dispatch::Dispatcher::new(
+                engines.clone(),
+                pages.clone(),
+                Some(c.clone()),
+                Duration::ZERO,
+            ));
             let hook = c.clone();
             engines.on_change(move || hook.advertise_now());
             if !tiers.is_empty() {
@@ -405,9 +405,15 @@ pub async fn start(
         Actors {
             router: router.clone(),
             governor: governor.clone(),
+            tuner: tuner_slot.clone(),
+            planner: cluster
+                .as_ref()
+                .map(|_| (planner_slot.clone(), planner_view.clone())),
+            supervisor: Some(supervisor.clone()),
         },
     )
-    .with_agent(agent);
+    .with_agent(agent)
+    .with_placement(placement);
 
     // The tuner drives probes through the service, so it starts last.
     let tuner_spec = ChildSpec::new(
@@ -477,13 +483,7 @@ pub async fn start(
     });
     let app = http::router(HttpState {
         service,
-        tuner: tuner_slot.clone(),
-        supervisor: Some(supervisor.clone()),
         expected_tiers: engines.autostart(),
-        planner: cluster
-            .as_ref()
-            .map(|_| (planner_slot.clone(), planner_view.clone())),
-        placement,
         faults,
         keys,
         limiter: Arc::new(crate::limits::Limiter::new(cfg.limits.clone())),

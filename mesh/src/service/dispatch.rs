@@ -11,7 +11,7 @@
 //! it does not drop them.
 
 use std::collections::HashSet;
-use std::sync::atomic::Ordering::Relaxed;
+use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -32,10 +32,6 @@ use tracing::warn;
 
 /// Most nodes one request is tried on before the caller gets an error.
 pub const MAX_ATTEMPTS: usize = 4;
-
-/// Requests this process re-ran after the engine or node serving them failed (exported as
-/// `mesh_request_reruns_total`).
-pub static RERUNS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
 
 /// Where a request runs.
 #[derive(Debug, Clone)]
@@ -135,9 +131,33 @@ pub struct Dispatcher {
     pub cluster: Option<Cluster>,
     /// Longest a request waits for this node's restarting engine.
     pub restart_wait: Duration,
+    /// Requests re-run after the engine or node serving them failed (shared by clones).
+    reruns: Arc<AtomicU64>,
 }
 
 impl Dispatcher {
+    /// Routing over `engines`, `pages` and the cluster, with its re-run count at zero.
+    pub fn new(
+        engines: Engines,
+        pages: PageStores,
+        cluster: Option<Cluster>,
+        restart_wait: Duration,
+    ) -> Self {
+        Self {
+            engines,
+            pages,
+            cluster,
+            restart_wait,
+            reruns: Arc::default(),
+        }
+    }
+
+    /// Requests this dispatcher re-ran (on a peer, or on this node's restarted engine)
+    /// after the engine or node serving them failed (`mesh_request_reruns_total`).
+    pub fn reruns(&self) -> u64 {
+        self.reruns.load(Relaxed)
+    }
+
     fn me(&self) -> &str {
         self.cluster.as_ref().map(|c| c.name()).unwrap_or("local")
     }
@@ -458,7 +478,7 @@ impl Dispatcher {
                 Err(e) if e.retryable() => {
                     let node = self.node_of(&target);
                     warn!(%node, tier = %model, error = ?e, "start failed; trying another node");
-                    RERUNS.fetch_add(1, Relaxed);
+                    self.reruns.fetch_add(1, Relaxed);
                     exclude.push(node);
                     target = match self
                         .next_target(&model, &target, &mut exclude, deadline)
@@ -531,7 +551,7 @@ impl Dispatcher {
                         }
                         skip = delivered;
                         rerun = true;
-                        RERUNS.fetch_add(1, Relaxed);
+                        me.reruns.fetch_add(1, Relaxed);
                     }
                 }
             }

@@ -2,6 +2,7 @@
 //! statuses and OpenAI's error codes (`crate::http::error`), with a reason a caller can act
 //! on and, for bad input, the offending parameter.
 
+use mesh_actors::tuner::TuneError;
 use mesh_tiers::TierError;
 
 /// What went wrong, as a class the HTTP layer has one status and code for.
@@ -130,6 +131,70 @@ impl Error {
             TierError::InvalidRequest(m) => Self::invalid(m, None),
             TierError::EngineStopped => Self::unavailable("The tier is restarting; retry shortly."),
             other => Self::internal(other.to_string()),
+        }
+    }
+}
+
+/// Why the tuner did not run a cycle or a reload, as a caller should see it.
+impl From<TuneError> for Error {
+    fn from(e: TuneError) -> Self {
+        let message = e.to_string();
+        match e {
+            TuneError::Disabled => Self::new(Kind::TunerDisabled, message),
+            TuneError::InProgress => Self::new(Kind::TuningInProgress, message),
+            TuneError::Invalid { param, .. } => Self {
+                param,
+                ..Self::new(Kind::InvalidRequest, message)
+            },
+            TuneError::NotReady(_) => Self::new(Kind::NotReady, message),
+            TuneError::EngineStart(_) => {
+                Self::new(Kind::EngineStartFailed, message).with_param("quantization")
+            }
+            TuneError::Internal(_) => Self::internal(message),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn tuner_refusals_keep_their_class_reason_and_field() {
+        let cases = [
+            (TuneError::Disabled, Kind::TunerDisabled, None),
+            (TuneError::InProgress, Kind::TuningInProgress, None),
+            (
+                TuneError::Invalid {
+                    message: "unknown knob `x`".into(),
+                    param: Some("knob".into()),
+                },
+                Kind::InvalidRequest,
+                Some("knob"),
+            ),
+            (
+                TuneError::NotReady("no probe tasks".into()),
+                Kind::NotReady,
+                None,
+            ),
+            (
+                TuneError::EngineStart("t1-q4_0.gguf: no such file".into()),
+                Kind::EngineStartFailed,
+                Some("quantization"),
+            ),
+            (
+                TuneError::Internal("disk full".into()),
+                Kind::Internal,
+                None,
+            ),
+        ];
+        for (tune, kind, param) in cases {
+            let message = tune.to_string();
+            let e = Error::from(tune);
+            assert_eq!(e.kind, kind, "{message}");
+            assert_eq!(e.message, message);
+            assert_eq!(e.param.as_deref(), param, "{message}");
+            assert_eq!(e.retry_after, None, "{message}");
         }
     }
 }

@@ -17,10 +17,13 @@
 //! - [`agent`]: the server-side agent loop over the node's MCP tools.
 //! - [`policy`]: the live policy every request reads.
 //! - [`tuner`]: what the tuner actor needs of the node (probe requests, typed counters).
+//! - [`control`]: the node's control calls: a tuning cycle, the policy, tier scaling, the
+//!   supervisor's actors and the page stores' counters.
 
 pub mod agent;
 pub mod cascade;
 pub mod chat;
+pub mod control;
 pub mod dispatch;
 mod error;
 pub mod policy;
@@ -33,11 +36,16 @@ use std::time::Duration;
 
 use mesh_actors::engines::Engines;
 use mesh_actors::governor::GovernorMsg;
+use mesh_actors::node::NodeMsg;
 use mesh_actors::pagestore::PageStores;
+use mesh_actors::planner::{PlannerMsg, PlannerView};
 use mesh_actors::router::RouterMsg;
 use mesh_actors::supervisor::ActorSlot;
+use mesh_actors::tuner::TunerMsg;
 use mesh_actors::Cluster;
+use mesh_control::placement::PlacementPlan;
 use mesh_tiers::cascade::CascadePolicy;
+use ractor::ActorRef;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
 pub use error::{Error, Kind};
@@ -64,13 +72,19 @@ pub struct Settings {
 }
 
 /// The actors the service talks to, through their supervisors' slots (each call reaches
-/// the running incarnation).
+/// the running incarnation), and the node supervisor itself.
 #[derive(Debug, Clone, Default)]
 pub struct Actors {
     /// The tool router (`None`: routing is off on this node).
     pub router: Option<Arc<ActorSlot<RouterMsg>>>,
     /// The reasoning governor.
     pub governor: Arc<ActorSlot<GovernorMsg>>,
+    /// The tuner (tuning cycles, the policy in force and its reloads).
+    pub tuner: Arc<ActorSlot<TunerMsg>>,
+    /// The planner and its view (cluster nodes).
+    pub planner: Option<(Arc<ActorSlot<PlannerMsg>>, Arc<PlannerView>)>,
+    /// The node supervisor (its children and their restarts).
+    pub supervisor: Option<ActorRef<NodeMsg>>,
 }
 
 /// Held until a response ends: the concurrency permit, a variant engine's lease.
@@ -88,6 +102,7 @@ struct Inner {
     policy: Arc<policy::LivePolicy>,
     actors: Actors,
     agent: Option<Arc<agent::Agent>>,
+    placement: Option<PlacementPlan>,
 }
 
 /// The node's service layer (cheap to clone).
@@ -113,21 +128,23 @@ impl Service {
         policy: Arc<policy::LivePolicy>,
         actors: Actors,
     ) -> Self {
-        let restart_wait = settings.restart_wait;
+        let dispatcher = Arc::new(dispatch::Dispatcher::new(
+            engines,
+            pages,
+            cluster,
+            settings.restart_wait,
+        ));
+        metrics.watch_dispatcher(dispatcher.clone());
         Self {
             inner: Arc::new(Inner {
                 permits: Arc::new(Semaphore::new(settings.max_concurrent)),
                 settings,
-                dispatcher: Arc::new(dispatch::Dispatcher {
-                    engines,
-                    pages,
-                    cluster,
-                    restart_wait,
-                }),
+                dispatcher,
                 metrics,
                 policy,
                 actors,
                 agent: None,
+                placement: None,
             }),
         }
     }
@@ -137,6 +154,13 @@ impl Service {
         self.inner.metrics.watch_tools(agent.runner.clone());
         let inner = Arc::get_mut(&mut self.inner).expect("set before the service is shared");
         inner.agent = Some(agent);
+        self
+    }
+
+    /// With this node's tier placement (shown by `GET /v1/cluster`).
+    pub fn with_placement(mut self, placement: Option<PlacementPlan>) -> Self {
+        let inner = Arc::get_mut(&mut self.inner).expect("set before the service is shared");
+        inner.placement = placement;
         self
     }
 

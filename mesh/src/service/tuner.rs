@@ -14,7 +14,9 @@ use mesh_control::tuner::Counters;
 use mesh_tiers::chat::{
     self, ChatMessage, Role, ToolCall, ToolSpec, CALL, END, END_CALL, END_THINK, THINK,
 };
-use mesh_tiers::eval::{self, Task};
+use mesh_tiers::eval;
+
+pub use mesh_tiers::eval::Task;
 
 use super::{ChatCall, Completion, Service};
 

@@ -3,15 +3,18 @@
 //! what mesh says about how it served it ([`MeshInfo`]). The HTTP layer translates OpenAI's
 //! JSON to and from these; the agent loop and the tuner's probes use them directly.
 
-use mesh_tiers::chat::{ChatMessage, ParsedOutput, ToolCall, ToolSpec};
-use mesh_tiers::format::parse::{Delta, OutputParser, ParseOptions};
+use mesh_tiers::chat::ParsedOutput;
+use mesh_tiers::format::parse::{OutputParser, ParseOptions};
 use mesh_tiers::format::ToolSyntax;
-use mesh_tiers::{FinishReason, TokenEvent, TokenLogprobs, Usage};
 use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value};
 
 pub use mesh_actors::engines::EngineInfo;
 pub use mesh_actors::router::Routed as RouterInfo;
+pub use mesh_actors::wire::TierAdvert;
+pub use mesh_tiers::chat::{ChatMessage, Role, ToolCall, ToolSpec};
+pub use mesh_tiers::format::parse::Delta;
+pub use mesh_tiers::{FinishReason, LogprobEntry, TokenEvent, TokenLogprobs, Usage};
 
 /// Which tool calls a request allows.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
