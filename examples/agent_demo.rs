@@ -355,9 +355,13 @@ async fn everyday(http: &reqwest::Client, base: &str) -> anyhow::Result<()> {
     let tools = json!([{"type": "function", "function": {
         "name": "get_weather", "description": "Get the current weather in a city.",
         "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]);
-    let mut messages = vec![json!({"role": "user", "content": "What's the weather in Lisbon right now?"})];
+    let mut messages =
+        vec![json!({"role": "user", "content": "What's the weather in Lisbon right now?"})];
     println!("\n{REAL_TIER} (Qwen2.5-Coder-0.5B-Instruct, its own chat template), an everyday tool call:");
-    println!("  user:      {}", messages[0]["content"].as_str().unwrap_or(""));
+    println!(
+        "  user:      {}",
+        messages[0]["content"].as_str().unwrap_or("")
+    );
     for _ in 0..2 {
         let r: Value = http
             .post(format!("{base}/v1/chat/completions"))
@@ -372,11 +376,16 @@ async fn everyday(http: &reqwest::Client, base: &str) -> anyhow::Result<()> {
             break;
         };
         let args = call["function"]["arguments"].as_str().unwrap_or("{}");
-        println!("  call:      {}({args})", call["function"]["name"].as_str().unwrap_or(""));
+        println!(
+            "  call:      {}({args})",
+            call["function"]["name"].as_str().unwrap_or("")
+        );
         let result = json!({"city": "Lisbon", "temperature_c": 21, "condition": "sunny"});
         println!("  result:    {result}");
         messages.push(msg);
-        messages.push(json!({"role": "tool", "tool_call_id": call["id"], "content": result.to_string()}));
+        messages.push(
+            json!({"role": "tool", "tool_call_id": call["id"], "content": result.to_string()}),
+        );
     }
     Ok(())
 }

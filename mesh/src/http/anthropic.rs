@@ -285,7 +285,7 @@ pub fn to_messages(
                     calls.push(ToolCall {
                         name: name.to_owned(),
                         arguments: input,
-                        id: b.get("id").and_then(Value::as_str).map(str::to_owned),
+                        id: b.get("id").and_then(Value::as_str).map(from_tool_use_id),
                     });
                 }
                 ("tool_result", false) => {
@@ -297,7 +297,7 @@ pub fn to_messages(
                     let id = b
                         .get("tool_use_id")
                         .and_then(Value::as_str)
-                        .map(str::to_owned);
+                        .map(from_tool_use_id);
                     results.push((
                         if is_error {
                             format!("Error: {content}")
@@ -490,8 +490,25 @@ fn tool_use_block(c: &ToolCall) -> Value {
     } else {
         json!({})
     };
-    let id = c.id.clone().unwrap_or_else(tool_use_id);
+    let id = c.id.as_deref().map_or_else(tool_use_id, to_tool_use_id);
     json!({"type": "tool_use", "id": id, "name": c.name, "input": input})
+}
+
+/// A call id as Anthropic's clients know them: `call_X` becomes `toolu_X` (ids a model's
+/// format requires in another shape, Mistral's nine characters, stay as they are).
+fn to_tool_use_id(id: &str) -> String {
+    match id.strip_prefix("call_") {
+        Some(rest) => format!("toolu_{rest}"),
+        None => id.to_owned(),
+    }
+}
+
+/// The call id a `tool_use` / `tool_result` block's id stands for ([`to_tool_use_id`] back).
+fn from_tool_use_id(id: &str) -> String {
+    match id.strip_prefix("toolu_") {
+        Some(rest) => format!("call_{rest}"),
+        None => id.to_owned(),
+    }
 }
 
 /// A message id.
@@ -705,6 +722,15 @@ mod tests {
         assert_eq!(out[2].tool_calls[0].arguments, json!({"city": "Lima"}));
         assert_eq!(out[2].content, "");
         assert_eq!(out[3].content, "sunny");
+    }
+
+    #[test]
+    fn call_ids_go_out_as_tool_use_ids_and_come_back() {
+        assert_eq!(to_tool_use_id("call_abc"), "toolu_abc");
+        assert_eq!(from_tool_use_id("toolu_abc"), "call_abc");
+        // Mistral's nine-character ids are kept as they are.
+        assert_eq!(to_tool_use_id("a1b2c3d4e"), "a1b2c3d4e");
+        assert_eq!(from_tool_use_id("a1b2c3d4e"), "a1b2c3d4e");
     }
 
     #[test]

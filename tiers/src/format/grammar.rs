@@ -401,7 +401,12 @@ mod tests {
     fn a_text_answer_cannot_start_with_a_call() {
         let g = text_answer(&spec(ToolSyntax::Hermes), false);
         assert!(!g.is_lazy());
-        assert!(g.grammar.contains("mesh-first ::= [^\\x00-\\x2f\\x3a-\\x40\\x5b-\\x60\\x7b-\\x7f]"), "{}", g.grammar);
+        assert!(
+            g.grammar
+                .contains("mesh-first ::= [^\\x00-\\x2f\\x3a-\\x40\\x5b-\\x60\\x7b-\\x7f]"),
+            "{}",
+            g.grammar
+        );
     }
 
     #[test]
