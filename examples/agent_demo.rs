@@ -7,9 +7,12 @@
 //!
 //! `qwen05` is Qwen2.5-Coder-0.5B-Instruct from the model pack (`mesh models pull
 //! qwen2.5-coder-0.5b-instruct`; the demo pulls it on its first run, 491 MB), served with the
-//! chat template and tool-call format its GGUF carries. It does the same tasks as the
-//! bundled tiers, then one everyday exchange: a question, its tool call, the result, the
-//! answer. `--no-real-model` leaves it out.
+//! chat template and tool-call format its GGUF carries, beside the bundled tiers. After the
+//! bundled tiers' workload it has everyday exchanges through both APIs: a question, its
+//! tool call, the result, the answer from the result (OpenAI's chat API), and the same with
+//! Anthropic's Messages API. The workload's tasks come from the bundled tiers' own corpus
+//! and catalog, so it runs them only when named in `--tiers`. `--no-real-model` leaves it
+//! out.
 //!
 //! Each agent takes a task (a user request plus the tool schemas it may use,
 //! from the held-out split of the bundled corpus), asks the tier for the next
@@ -49,13 +52,7 @@ fn args() -> Args {
     let mut a = Args {
         tasks: 12,
         agents: 4,
-        tiers: vec![
-            "t1".into(),
-            "t2".into(),
-            "t3".into(),
-            "cascade".into(),
-            REAL_TIER.into(),
-        ],
+        tiers: vec!["t1".into(), "t2".into(), "t3".into(), "cascade".into()],
         quiet: false,
         mcp: true,
         real: true,
@@ -188,7 +185,7 @@ async fn main() -> anyhow::Result<()> {
     if !a.real {
         a.tiers.retain(|t| t != REAL_TIER);
     }
-    if a.tiers.iter().any(|t| t == REAL_TIER) {
+    if a.real {
         let n_seq_max = a.agents.max(1) as u32;
         tiers.push(mesh_tiers::EngineConfig {
             name: REAL_TIER.into(),
@@ -323,8 +320,9 @@ async fn main() -> anyhow::Result<()> {
         .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
         .sum();
     println!("\nnode metrics: {generated} tokens generated (see {base}/metrics while it runs)");
-    if a.tiers.iter().any(|t| t == REAL_TIER) {
+    if a.real {
         everyday(&http, &base).await?;
+        everyday_anthropic(&http, &base).await?;
     }
     if mcp {
         mcp_rounds(&http, &base, &tasks, &a).await?;
@@ -357,7 +355,7 @@ async fn everyday(http: &reqwest::Client, base: &str) -> anyhow::Result<()> {
         "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]);
     let mut messages =
         vec![json!({"role": "user", "content": "What's the weather in Lisbon right now?"})];
-    println!("\n{REAL_TIER} (Qwen2.5-Coder-0.5B-Instruct, its own chat template), an everyday tool call:");
+    println!("\n{REAL_TIER} (Qwen2.5-Coder-0.5B-Instruct, its own chat template) through OpenAI's chat API:");
     println!(
         "  user:      {}",
         messages[0]["content"].as_str().unwrap_or("")
@@ -386,6 +384,54 @@ async fn everyday(http: &reqwest::Client, base: &str) -> anyhow::Result<()> {
         messages.push(
             json!({"role": "tool", "tool_call_id": call["id"], "content": result.to_string()}),
         );
+    }
+    Ok(())
+}
+
+/// The same kind of exchange through Anthropic's Messages API: `tool_use`, then a
+/// `tool_result` block answered in words.
+async fn everyday_anthropic(http: &reqwest::Client, base: &str) -> anyhow::Result<()> {
+    let tools = json!([{"name": "convert_currency", "description": "Convert an amount between currencies.",
+        "input_schema": {"type": "object", "properties": {
+            "amount": {"type": "number"}, "from": {"type": "string"}, "to": {"type": "string"}},
+            "required": ["amount", "from", "to"]}}]);
+    let mut messages =
+        vec![json!({"role": "user", "content": "How much is 250 US dollars in euros?"})];
+    println!(
+        "
+{REAL_TIER} through Anthropic's Messages API:"
+    );
+    println!(
+        "  user:      {}",
+        messages[0]["content"].as_str().unwrap_or("")
+    );
+    for _ in 0..2 {
+        let r: Value = http
+            .post(format!("{base}/v1/messages"))
+            .json(
+                &json!({"model": REAL_TIER, "max_tokens": 96, "temperature": 0,
+                "messages": messages, "tools": tools}),
+            )
+            .send()
+            .await?
+            .json()
+            .await?;
+        let blocks = r["content"].as_array().cloned().unwrap_or_default();
+        let Some(call) = blocks.iter().find(|b| b["type"] == "tool_use").cloned() else {
+            let text: String = blocks.iter().filter_map(|b| b["text"].as_str()).collect();
+            println!("  assistant: {text}");
+            break;
+        };
+        println!(
+            "  tool_use:  {}({})",
+            call["name"].as_str().unwrap_or(""),
+            call["input"]
+        );
+        let result = json!({"amount": 231.5, "currency": "EUR", "rate": 0.926});
+        println!("  result:    {result}");
+        messages.push(json!({"role": "assistant", "content": blocks}));
+        messages.push(json!({"role": "user", "content": [
+            {"type": "tool_result", "tool_use_id": call["id"], "content": result.to_string()}]}));
     }
     Ok(())
 }

@@ -55,6 +55,14 @@ pub enum ModelsError {
         /// The pack model it names.
         name: String,
     },
+    /// A tier names a pack model that does not generate text (an embedding model).
+    #[error("tier {tier}: {name} is an embedding model; a tier needs a chat model (`mesh models list` shows each model's kind)")]
+    NotChat {
+        /// The tier.
+        tier: String,
+        /// The pack model it names.
+        name: String,
+    },
     /// The HTTP client could not be built (TLS setup).
     #[error("HTTP client: {0}")]
     Client(String),
@@ -360,6 +368,12 @@ pub fn resolve_model(
     let Some(m) = model.to_str().and_then(|n| pack.get(n).ok()) else {
         return Ok(model.to_owned());
     };
+    if m.kind != ModelKind::Chat {
+        return Err(ModelsError::NotChat {
+            tier: tier.to_owned(),
+            name: m.name.clone(),
+        });
+    }
     m.cached(dir).ok_or_else(|| ModelsError::NotDownloaded {
         tier: tier.to_owned(),
         name: m.name.clone(),
@@ -1288,6 +1302,14 @@ mod tests {
             "tier qwen05: model qwen2.5-coder-0.5b-instruct is not downloaded; \
              run: mesh models pull qwen2.5-coder-0.5b-instruct"
         );
+    }
+
+    #[test]
+    fn embedding_model_as_a_tier_is_refused() {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let e = resolve_model("e", Path::new("nomic-embed-text-v1.5"), pack(), dir.path())
+            .expect_err("not a chat model");
+        assert!(matches!(e, ModelsError::NotChat { .. }), "{e}");
     }
 
     #[test]

@@ -246,6 +246,14 @@ impl Engine {
                 reason: e.to_string(),
             }
         })?;
+        if let Some(kind) = embedding_only(|k| model.meta_val_str(k).ok()) {
+            return Err(TierError::ModelLoad {
+                path,
+                reason: format!(
+                    "an embedding model ({kind}); a tier needs a model that generates text"
+                ),
+            });
+        }
         let format = Arc::new(chat_format(&model, &cfg)?);
         let model = Arc::new(model);
         let draft = match &cfg.draft {
@@ -1801,6 +1809,18 @@ fn think_tokens(model: &LlamaModel, t: &ThinkMarkers) -> Option<(LlamaToken, Lla
 /// The tier's chat format: its `chat_template` (a file or a built-in name), else the
 /// GGUF's template, else ChatML. A GGUF template minijinja cannot compile falls back to
 /// ChatML with a warning (the tier still chats); a configured one that fails is an error.
+/// Whether a GGUF's metadata (`meta`: key → value as text) describes an embedding model,
+/// which pools its outputs instead of predicting tokens: its architecture and pooling, else
+/// `None`. llama.cpp writes `{arch}.pooling_type` for BERT-style encoders (nomic-bert,
+/// MiniLM) and embedding variants of decoders; 0 is "none".
+fn embedding_only(meta: impl Fn(&str) -> Option<String>) -> Option<String> {
+    let arch = meta("general.architecture")?;
+    let pooling = meta(&format!("{arch}.pooling_type"))?;
+    let causal = meta(&format!("{arch}.attention.causal"));
+    (pooling.trim() != "0" || causal.as_deref() == Some("false"))
+        .then(|| format!("{arch}, pooling type {pooling}"))
+}
+
 fn chat_format(model: &LlamaModel, cfg: &EngineConfig) -> Result<ChatFormat, TierError> {
     let vocab = model.vocab();
     let piece =
@@ -1837,9 +1857,11 @@ fn chat_format(model: &LlamaModel, cfg: &EngineConfig) -> Result<ChatFormat, Tie
             }
         },
     };
-    let spec = f.spec();
+    let (spec, shows) = (f.spec(), f.shows());
     info!(tier = %cfg.name, template = %spec.template, tool_syntax = spec.syntax.as_str(),
-        reasoning = spec.think.is_some(), template_shows_tools = spec.template_tools, "chat format");
+        reasoning = spec.think.is_some(), template_shows_tools = spec.template_tools,
+        template_shows_calls = shows.calls, template_shows_results = shows.results,
+        template_shows_system = shows.system, "chat format");
     Ok(f)
 }
 
@@ -1882,6 +1904,42 @@ fn margin_of(first: f32, second: f32) -> f32 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn meta<'a>(pairs: &'a [(&'a str, &'a str)]) -> impl Fn(&str) -> Option<String> + 'a {
+        move |k| {
+            pairs
+                .iter()
+                .find(|(key, _)| *key == k)
+                .map(|(_, v)| v.to_string())
+        }
+    }
+
+    #[test]
+    fn a_pooling_encoder_is_an_embedding_model() {
+        let m = meta(&[
+            ("general.architecture", "nomic-bert"),
+            ("nomic-bert.pooling_type", "1"),
+        ]);
+        assert_eq!(
+            embedding_only(m).as_deref(),
+            Some("nomic-bert, pooling type 1")
+        );
+    }
+
+    #[test]
+    fn a_decoder_without_pooling_generates_text() {
+        let m = meta(&[("general.architecture", "qwen2")]);
+        assert_eq!(embedding_only(m), None);
+    }
+
+    #[test]
+    fn pooling_none_generates_text() {
+        let m = meta(&[
+            ("general.architecture", "llama"),
+            ("llama.pooling_type", "0"),
+        ]);
+        assert_eq!(embedding_only(m), None);
+    }
 
     #[test]
     fn draft_threads_default_to_one_for_small_tiers_and_follow_the_config() {

@@ -514,3 +514,20 @@ fn rendered(e: &Engine, msgs: &[chat::ChatMessage], tools: &[ToolSpec]) -> Vec<i
     };
     e.render(&input).unwrap().0
 }
+
+#[test]
+fn an_embedding_model_is_refused_as_a_tier() {
+    let e = Engine::start(EngineConfig {
+        name: "embed".into(),
+        model: model("embed/minilm-l6-tools-f16.gguf"),
+        ..EngineConfig::default()
+    })
+    .err()
+    .expect("an embedding model does not start as a tier");
+    match e {
+        TierError::ModelLoad { reason, .. } => {
+            assert!(reason.contains("embedding model"), "{reason}")
+        }
+        other => panic!("expected a model-load error, got {other}"),
+    }
+}

@@ -12,7 +12,9 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 
 use mesh_tiers::chat::{ChatMessage, Role, ToolCall, ToolSpec};
-use mesh_tiers::format::{template_messages, template_tools, ChatFormat, ChatInput, SpecialTokens};
+use mesh_tiers::format::{
+    template_messages, template_tools, CallsContent, ChatFormat, ChatInput, SpecialTokens,
+};
 use serde_json::{json, Value};
 
 fn dir() -> PathBuf {
@@ -180,5 +182,162 @@ fn every_template_renders_every_conversation_as_jinja2_does() {
         rendered * 2 >= jobs.len(),
         "only {rendered} of {} rendered",
         jobs.len()
+    );
+}
+
+/// What each public template renders itself; the rest mesh writes into the turns it does
+/// render (see `Shows`).
+#[test]
+fn templates_are_probed_for_calls_results_and_system_turns() {
+    // (template, calls, the `content` beside calls, arguments as text, results, system)
+    let want = [
+        (
+            "HuggingFaceTB-SmolLM2-135M-Instruct-gguf",
+            false,
+            CallsContent::Absent,
+            false,
+            true,
+            true,
+        ),
+        (
+            "google-gemma-2-2b-it",
+            false,
+            CallsContent::Absent,
+            false,
+            false,
+            false,
+        ),
+        (
+            "Qwen-Qwen2.5-7B-Instruct",
+            true,
+            CallsContent::Absent,
+            false,
+            true,
+            true,
+        ),
+        (
+            "Qwen-Qwen2.5-Coder-0.5B-Instruct-gguf",
+            true,
+            CallsContent::Absent,
+            false,
+            true,
+            true,
+        ),
+        (
+            "Qwen-Qwen3-0.6B",
+            true,
+            CallsContent::Empty,
+            false,
+            true,
+            true,
+        ),
+        (
+            "meta-llama-Llama-3.1-8B-Instruct",
+            true,
+            CallsContent::Absent,
+            false,
+            true,
+            true,
+        ),
+        (
+            "mistralai-Mistral-Nemo-Instruct-2407",
+            true,
+            CallsContent::Absent,
+            false,
+            true,
+            true,
+        ),
+        (
+            "NousResearch-Hermes-3-Llama-3.1-8B-tool_use",
+            true,
+            CallsContent::Absent,
+            false,
+            true,
+            true,
+        ),
+        (
+            "deepseek-ai-DeepSeek-R1-Distill-Qwen-32B",
+            true,
+            CallsContent::Null,
+            true,
+            true,
+            true,
+        ),
+        (
+            "llama-cpp-microsoft-Phi-4-mini-instruct",
+            true,
+            CallsContent::Absent,
+            false,
+            true,
+            true,
+        ),
+    ];
+    let mut got = vec![];
+    for (name, ..) in want {
+        let source = std::fs::read_to_string(dir().join(format!("{name}.jinja"))).unwrap();
+        let f = ChatFormat::new(&source, name, SpecialTokens::default()).unwrap();
+        let s = f.shows();
+        got.push((
+            name,
+            s.calls,
+            s.calls_content,
+            s.arguments_text,
+            s.results,
+            s.system,
+        ));
+    }
+    assert_eq!(got, want);
+}
+
+/// The serving path's rendering of a case (tools described when the template shows none,
+/// and the parts it does not render written into the turns it does).
+fn serve(template: &str, case: &str) -> Result<String, String> {
+    let cases: Vec<Value> =
+        serde_json::from_str(&std::fs::read_to_string(dir().join("cases.json")).unwrap()).unwrap();
+    let c = cases.iter().find(|c| c["name"] == case).expect("case");
+    let source = std::fs::read_to_string(dir().join(format!("{template}.jinja"))).unwrap();
+    let f = ChatFormat::new(&source, template, SpecialTokens::default()).unwrap();
+    let input = ChatInput {
+        messages: messages(&c["messages"]),
+        tools: tools(&c["tools"]),
+        ..Default::default()
+    };
+    f.render(&input, &mesh_tiers::markers::Markers::new([]))
+        .map(|r| r.text())
+        .map_err(|e| e.to_string())
+}
+
+#[test]
+fn a_template_without_calls_is_served_them_as_json_text() {
+    let text = serve(
+        "HuggingFaceTB-SmolLM2-135M-Instruct-gguf",
+        "tool_call_empty_content",
+    )
+    .expect("rendered");
+    assert!(
+        text.contains("assistant\n{\"name\": \"get_weather\", \"arguments\": {"),
+        "{text}"
+    );
+}
+
+#[test]
+fn a_template_without_tool_or_system_turns_is_served_them_in_user_turns() {
+    let text = serve("google-gemma-2-2b-it", "tool_call_roundtrip").expect("rendered");
+    assert!(
+        text.contains("<start_of_turn>user\n{\"tool_response\": {\"tool\": \"get_weather\""),
+        "{text}"
+    );
+}
+
+#[test]
+fn deepseek_r1_is_served_calls_with_text_arguments_and_no_content() {
+    let text = serve(
+        "deepseek-ai-DeepSeek-R1-Distill-Qwen-32B",
+        "tool_call_empty_content",
+    )
+    .expect("rendered");
+    assert!(
+        text.contains("<｜tool▁sep｜>get_weather\n```json\n{\""),
+        "{text}"
     );
 }

@@ -33,7 +33,7 @@ use std::collections::BTreeMap;
 use serde::{Deserialize, Serialize};
 use serde_json::{json, Map, Value};
 
-use crate::chat::{ChatMessage, PromptPart, Role, ToolSpec};
+use crate::chat::{ChatMessage, PromptPart, Role, ToolCall, ToolSpec};
 use crate::markers::Markers;
 use template::Template;
 
@@ -202,6 +202,52 @@ pub struct ChatFormat {
     template: Template,
     spec: FormatSpec,
     tokens: SpecialTokens,
+    shows: Shows,
+}
+
+/// Which parts of a conversation a template renders itself, found by rendering probes
+/// once. What it does not render is written into the messages it does render before the
+/// template sees them (as llama.cpp's server does for such templates): calls as the JSON
+/// the tool description asks for, results as user turns, the system prompt into the first
+/// user turn.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Shows {
+    /// An assistant turn's `tool_calls`.
+    pub calls: bool,
+    /// What a turn with calls and no text gets as `content`: `transformers` drops the key,
+    /// and templates that test `'</think>' in content` (Qwen3's) then fail, and those that
+    /// test `content is none` (DeepSeek R1's) show no calls.
+    pub calls_content: CallsContent,
+    /// Calls' `arguments` as JSON text rather than objects (DeepSeek R1's templates
+    /// concatenate them as strings).
+    pub arguments_text: bool,
+    /// `tool` turns.
+    pub results: bool,
+    /// A `system` turn.
+    pub system: bool,
+}
+
+/// See [`Shows::calls_content`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CallsContent {
+    /// No `content` key.
+    Absent,
+    /// `content: ""`.
+    Empty,
+    /// `content: none`.
+    Null,
+}
+
+impl Default for Shows {
+    fn default() -> Self {
+        Self {
+            calls: true,
+            calls_content: CallsContent::Absent,
+            arguments_text: false,
+            results: true,
+            system: true,
+        }
+    }
 }
 
 impl std::fmt::Debug for ChatFormat {
@@ -245,9 +291,81 @@ impl ChatFormat {
                 template: origin.to_owned(),
             },
             tokens,
+            shows: Shows::default(),
         };
         f.spec.template_tools = f.shows_tools();
+        f.shows = f.probe_shows();
         Ok(f)
+    }
+
+    /// Which parts of a conversation the template renders itself.
+    pub fn shows(&self) -> Shows {
+        self.shows
+    }
+
+    fn probe_shows(&self) -> Shows {
+        const CALL: &str = "mesh_probe_call_3f9c";
+        const RESULT: &str = "mesh_probe_result_3f9c";
+        const SYSTEM: &str = "mesh_probe_system_3f9c";
+        // Nine letters and digits: Mistral's templates refuse other ids.
+        let id = "a1b2c3d4e";
+        let user = ChatMessage::text(Role::User, "x");
+        let mut call = ChatMessage::text(Role::Assistant, "");
+        call.tool_calls = vec![ToolCall {
+            name: CALL.into(),
+            arguments: json!({"a": 1}),
+            id: Some(id.into()),
+        }];
+        let shown =
+            |messages: &[ChatMessage], (content, text): (CallsContent, bool), probe: &str| {
+                let mut msgs = template_messages(messages);
+                give_calls_content(&mut msgs, content);
+                if text {
+                    arguments_as_text(&mut msgs);
+                }
+                let none = BTreeMap::new();
+                self.render_with(msgs, json!([]), &Map::new(), &Markers::new([]), &none)
+                    .is_ok_and(|t| t.contains(probe))
+            };
+        let turns = [user.clone(), call.clone()];
+        let how = [false, true]
+            .into_iter()
+            .flat_map(|text| {
+                [
+                    CallsContent::Absent,
+                    CallsContent::Empty,
+                    CallsContent::Null,
+                ]
+                .map(|c| (c, text))
+            })
+            .find(|h| shown(&turns, *h, CALL));
+        let calls = how.is_some();
+        let (calls_content, arguments_text) = how.unwrap_or((CallsContent::Absent, false));
+        let answered = if calls {
+            call
+        } else {
+            ChatMessage::text(Role::Assistant, "y")
+        };
+        let mut result = ChatMessage::text(Role::Tool, RESULT);
+        result.tool_call_id = Some(id.into());
+        result.name = Some(CALL.into());
+        let results = shown(
+            &[user.clone(), answered, result],
+            (calls_content, arguments_text),
+            RESULT,
+        );
+        let system = shown(
+            &[ChatMessage::text(Role::System, SYSTEM), user],
+            (CallsContent::Absent, false),
+            SYSTEM,
+        );
+        Shows {
+            calls,
+            calls_content,
+            arguments_text,
+            results,
+            system,
+        }
     }
 
     /// The bundled tiers' format.
@@ -294,9 +412,22 @@ impl ChatFormat {
             describe_tools(&mut input);
             input.tools.clear();
         }
+        if !self.shows.calls {
+            calls_as_text(&mut input.messages);
+        }
+        if !self.shows.results {
+            results_as_user_turns(&mut input.messages);
+        }
+        if !self.shows.system {
+            system_into_first_user_turn(&mut input.messages);
+        }
         // Caller strings with control-token spellings: swap their first characters.
         let mut sentinels: BTreeMap<char, char> = BTreeMap::new();
-        let msgs = template_messages(&input.messages);
+        let mut msgs = template_messages(&input.messages);
+        give_calls_content(&mut msgs, self.shows.calls_content);
+        if self.shows.arguments_text {
+            arguments_as_text(&mut msgs);
+        }
         let tools = template_tools(&input.tools);
         let mut firsts: Vec<char> = vec![];
         for_each_string(&msgs, &mut |s| first_chars(markers, s, &mut firsts));
@@ -455,6 +586,40 @@ pub fn template_messages(messages: &[ChatMessage]) -> Value {
     )
 }
 
+/// Calls' `arguments` of template messages as JSON text.
+fn arguments_as_text(msgs: &mut Value) {
+    for m in msgs.as_array_mut().into_iter().flatten() {
+        for c in m
+            .get_mut("tool_calls")
+            .and_then(Value::as_array_mut)
+            .into_iter()
+            .flatten()
+        {
+            if let Some(a) = c.pointer_mut("/function/arguments") {
+                if !a.is_string() {
+                    *a = Value::String(pyjson::dumps(a));
+                }
+            }
+        }
+    }
+}
+
+/// `content` as `how` says on the turns of template messages that have calls and no content.
+fn give_calls_content(msgs: &mut Value, how: CallsContent) {
+    let content = match how {
+        CallsContent::Absent => return,
+        CallsContent::Empty => json!(""),
+        CallsContent::Null => Value::Null,
+    };
+    for m in msgs.as_array_mut().into_iter().flatten() {
+        if let Some(o) = m.as_object_mut() {
+            if o.contains_key("tool_calls") && !o.contains_key("content") {
+                o.insert("content".into(), content.clone());
+            }
+        }
+    }
+}
+
 /// Tools as Hugging Face templates expect them: `{"type": "function", "function": {..}}`.
 pub fn template_tools(tools: &[ToolSpec]) -> Value {
     Value::Array(
@@ -500,6 +665,65 @@ fn describe_tools(input: &mut ChatInput) {
         _ => input
             .messages
             .insert(0, ChatMessage::text(Role::System, text)),
+    }
+}
+
+/// For a template that does not render `tool_calls`: each call goes into its turn's text
+/// as the JSON object [`describe_tools`] asks for, one per line.
+pub fn calls_as_text(messages: &mut [ChatMessage]) {
+    for m in messages.iter_mut().filter(|m| !m.tool_calls.is_empty()) {
+        for c in std::mem::take(&mut m.tool_calls) {
+            if !m.content.is_empty() {
+                m.content.push('\n');
+            }
+            m.content.push_str(&pyjson::dumps(
+                &json!({"name": c.name, "arguments": c.arguments}),
+            ));
+        }
+    }
+}
+
+/// For a template that does not render `tool` turns: each run of results becomes one user
+/// turn, every result as `{"tool_response": {"tool": .., "content": ..}}` on its own line
+/// (the tool named by the result, else by the call it answers).
+pub fn results_as_user_turns(messages: &mut Vec<ChatMessage>) {
+    let mut out: Vec<ChatMessage> = Vec::with_capacity(messages.len());
+    let mut after_result = false;
+    for m in messages.drain(..) {
+        if m.role != Role::Tool {
+            after_result = false;
+            out.push(m);
+            continue;
+        }
+        let tool = m.name.clone().or_else(|| {
+            let id = m.tool_call_id.as_deref()?;
+            out.iter()
+                .flat_map(|p| &p.tool_calls)
+                .find(|c| c.id.as_deref() == Some(id))
+                .map(|c| c.name.clone())
+        });
+        let line = pyjson::dumps(&json!({"tool_response": {"tool": tool, "content": m.content}}));
+        match out.last_mut() {
+            Some(prev) if after_result => {
+                prev.content.push('\n');
+                prev.content.push_str(&line);
+            }
+            _ => out.push(ChatMessage::text(Role::User, line)),
+        }
+        after_result = true;
+    }
+    *messages = out;
+}
+
+/// For a template without a system role: the system text opens the first user turn.
+pub fn system_into_first_user_turn(messages: &mut Vec<ChatMessage>) {
+    let Some(i) = messages.iter().position(|m| m.role == Role::System) else {
+        return;
+    };
+    let system = messages.remove(i);
+    match messages.iter_mut().find(|m| m.role == Role::User) {
+        Some(u) => u.content = format!("{}\n\n{}", system.content, u.content),
+        None => messages.insert(i, ChatMessage::text(Role::User, system.content)),
     }
 }
 
@@ -651,7 +875,65 @@ fn ends_inside(text: &str, t: &ThinkMarkers) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::chat::ToolCall;
+
+    #[test]
+    fn a_run_of_results_becomes_one_user_turn_naming_each_tool_by_its_call() {
+        let mut call = ChatMessage::text(Role::Assistant, "");
+        call.tool_calls = vec![
+            ToolCall {
+                name: "a".into(),
+                arguments: json!({}),
+                id: Some("1".into()),
+            },
+            ToolCall {
+                name: "b".into(),
+                arguments: json!({}),
+                id: Some("2".into()),
+            },
+        ];
+        let result = |id: &str, text: &str| {
+            let mut m = ChatMessage::text(Role::Tool, text);
+            m.tool_call_id = Some(id.into());
+            m
+        };
+        let mut msgs = vec![
+            ChatMessage::text(Role::User, "q"),
+            call,
+            result("2", "B"),
+            result("1", "A"),
+        ];
+        results_as_user_turns(&mut msgs);
+        assert_eq!(msgs.len(), 3);
+        assert_eq!(msgs[2].role, Role::User);
+        assert_eq!(
+            msgs[2].content,
+            "{\"tool_response\": {\"tool\": \"b\", \"content\": \"B\"}}\n\
+             {\"tool_response\": {\"tool\": \"a\", \"content\": \"A\"}}"
+        );
+    }
+
+    #[test]
+    fn the_system_text_opens_the_first_user_turn() {
+        let mut msgs = vec![
+            ChatMessage::text(Role::System, "S"),
+            ChatMessage::text(Role::User, "U"),
+        ];
+        system_into_first_user_turn(&mut msgs);
+        assert_eq!(msgs, vec![ChatMessage::text(Role::User, "S\n\nU")]);
+    }
+
+    #[test]
+    fn calls_become_json_lines_after_the_text() {
+        let mut m = ChatMessage::text(Role::Assistant, "Let me look.");
+        m.tool_calls = vec![ToolCall::new("f", json!({"x": 1}))];
+        let mut msgs = [m];
+        calls_as_text(&mut msgs);
+        assert!(msgs[0].tool_calls.is_empty());
+        assert_eq!(
+            msgs[0].content,
+            "Let me look.\n{\"name\": \"f\", \"arguments\": {\"x\": 1}}"
+        );
+    }
 
     fn markers() -> Markers {
         Markers::new(
