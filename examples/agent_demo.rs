@@ -391,16 +391,10 @@ async fn everyday(http: &reqwest::Client, base: &str) -> anyhow::Result<()> {
 /// The same kind of exchange through Anthropic's Messages API: `tool_use`, then a
 /// `tool_result` block answered in words.
 async fn everyday_anthropic(http: &reqwest::Client, base: &str) -> anyhow::Result<()> {
-    let tools = json!([{"name": "convert_currency", "description": "Convert an amount between currencies.",
-        "input_schema": {"type": "object", "properties": {
-            "amount": {"type": "number"}, "from": {"type": "string"}, "to": {"type": "string"}},
-            "required": ["amount", "from", "to"]}}]);
-    let mut messages =
-        vec![json!({"role": "user", "content": "How much is 250 US dollars in euros?"})];
-    println!(
-        "
-{REAL_TIER} through Anthropic's Messages API:"
-    );
+    let tools = json!([{"name": "flight_status", "description": "Get the status of a flight by its number.",
+        "input_schema": {"type": "object", "properties": {"flight": {"type": "string"}}, "required": ["flight"]}}]);
+    let mut messages = vec![json!({"role": "user", "content": "Is the flight LH 1234 on time?"})];
+    println!("\n{REAL_TIER} through Anthropic's Messages API:");
     println!(
         "  user:      {}",
         messages[0]["content"].as_str().unwrap_or("")
@@ -427,7 +421,7 @@ async fn everyday_anthropic(http: &reqwest::Client, base: &str) -> anyhow::Resul
             call["name"].as_str().unwrap_or(""),
             call["input"]
         );
-        let result = json!({"amount": 231.5, "currency": "EUR", "rate": 0.926});
+        let result = json!({"flight": "LH1234", "status": "delayed", "delay_minutes": 35});
         println!("  result:    {result}");
         messages.push(json!({"role": "assistant", "content": blocks}));
         messages.push(json!({"role": "user", "content": [
