@@ -528,7 +528,19 @@ impl OutputParser {
                 match body.find(ARGS) {
                     Some(a) => {
                         let name = body[..a].trim();
+                        if body[..a].contains('\n') || a + ARGS.len() > 64 {
+                            // A name is short and on one line (where a stream stops
+                            // waiting for `[ARGS]`).
+                            return Region::NotCall(0);
+                        }
                         let args_text = &body[a + ARGS.len()..];
+                        // Arguments are an object: anything else is text, read on from
+                        // the marker (not swallowed up to the end of some JSON string).
+                        match args_text.trim_start().chars().next() {
+                            None if !end => return Region::More,
+                            Some('{') => {}
+                            _ => return Region::NotCall(0),
+                        }
                         match scan_json(args_text) {
                             Scan::Done(n) => {
                                 let consumed = lead + a + ARGS.len() + n;
