@@ -3,8 +3,7 @@
 //! it, a reply streamed in pieces reads as the whole reply does, and nothing is a call
 //! when no tools were offered.
 
-use mesh_tiers::chat::ParsedOutput;
-use mesh_tiers::format::parse::{parse_all, OutputParser, ParseOptions, ToolNames};
+use mesh_tiers::format::parse::{parse_all, parse_streamed, ParseOptions, ToolNames};
 use mesh_tiers::format::{ThinkMarkers, ToolSyntax};
 use proptest::prelude::*;
 
@@ -77,18 +76,6 @@ fn options(syntax: ToolSyntax, tools: ToolNames, magistral: bool) -> ParseOption
     }
 }
 
-fn streamed(text: &str, piece: usize, o: ParseOptions) -> ParsedOutput {
-    let mut p = OutputParser::new(o);
-    let mut deltas = vec![];
-    let chars: Vec<char> = text.chars().collect();
-    for chunk in chars.chunks(piece) {
-        deltas.extend(p.push(&chunk.iter().collect::<String>()));
-    }
-    let unclosed = p.in_reasoning();
-    deltas.extend(p.finish());
-    p.join(deltas, unclosed)
-}
-
 proptest! {
     #![proptest_config(ProptestConfig::with_cases(2000))]
 
@@ -111,7 +98,7 @@ proptest! {
     ) {
         let o = options(SYNTAXES[s], ToolNames::Any, false);
         let whole = parse_all(&text, o.clone());
-        let got = streamed(&text, piece, o);
+        let got = parse_streamed(&text, piece, o);
         prop_assert_eq!(&got.tool_calls, &whole.tool_calls);
         prop_assert_eq!(&got.content, &whole.content);
         prop_assert_eq!(&got.reasoning, &whole.reasoning);

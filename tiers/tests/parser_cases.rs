@@ -11,7 +11,7 @@
 use std::path::Path;
 
 use mesh_tiers::chat::ParsedOutput;
-use mesh_tiers::format::parse::{parse_all, OutputParser, ParseOptions, ToolNames};
+use mesh_tiers::format::parse::{parse_all, parse_streamed, ParseOptions, ToolNames};
 use mesh_tiers::format::{ThinkMarkers, ToolSyntax};
 use serde_json::Value;
 
@@ -47,18 +47,6 @@ fn options(case: &Value) -> Option<ParseOptions> {
             ToolNames::Any
         },
     })
-}
-
-fn streamed(text: &str, piece: usize, o: ParseOptions) -> ParsedOutput {
-    let mut p = OutputParser::new(o);
-    let mut deltas = vec![];
-    let chars: Vec<char> = text.chars().collect();
-    for chunk in chars.chunks(piece) {
-        deltas.extend(p.push(&chunk.iter().collect::<String>()));
-    }
-    let unclosed = p.in_reasoning();
-    deltas.extend(p.finish());
-    p.join(deltas, unclosed)
 }
 
 fn check(case: &Value, got: &ParsedOutput) -> Result<(), String> {
@@ -107,7 +95,7 @@ fn llama_cpps_test_outputs_parse_as_its_tests_assert() {
             continue;
         }
         for n in [1, 3, 7] {
-            if let Err(e) = check(case, &streamed(input, n, o.clone())) {
+            if let Err(e) = check(case, &parse_streamed(input, n, o.clone())) {
                 failures.push(format!("case {i} streamed by {n}: {e}"));
             }
         }

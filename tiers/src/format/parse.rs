@@ -789,6 +789,20 @@ pub fn parse_all(text: &str, opts: ParseOptions) -> ParsedOutput {
     p.join(deltas, unclosed)
 }
 
+/// Parses a reply fed in pieces of `piece` characters, as a stream delivers it (it reads
+/// as [`parse_all`] reads the whole reply).
+pub fn parse_streamed(text: &str, piece: usize, opts: ParseOptions) -> ParsedOutput {
+    let mut p = OutputParser::new(opts);
+    let mut deltas = vec![];
+    let chars: Vec<char> = text.chars().collect();
+    for chunk in chars.chunks(piece.max(1)) {
+        deltas.extend(p.push(&chunk.iter().collect::<String>()));
+    }
+    let unclosed = p.in_reasoning();
+    deltas.extend(p.finish());
+    p.join(deltas, unclosed)
+}
+
 impl OutputParser {
     /// A whole reply from all its deltas (`unclosed`: the parser was inside reasoning
     /// before [`OutputParser::finish`]).
