@@ -1806,9 +1806,6 @@ fn think_tokens(model: &LlamaModel, t: &ThinkMarkers) -> Option<(LlamaToken, Lla
     Some((one(&t.open)?, one(&t.close)?))
 }
 
-/// The tier's chat format: its `chat_template` (a file or a built-in name), else the
-/// GGUF's template, else ChatML. A GGUF template minijinja cannot compile falls back to
-/// ChatML with a warning (the tier still chats); a configured one that fails is an error.
 /// Whether a GGUF's metadata (`meta`: key → value as text) describes an embedding model,
 /// which pools its outputs instead of predicting tokens: its architecture and pooling, else
 /// `None`. llama.cpp writes `{arch}.pooling_type` for BERT-style encoders (nomic-bert,
@@ -1821,6 +1818,9 @@ fn embedding_only(meta: impl Fn(&str) -> Option<String>) -> Option<String> {
         .then(|| format!("{arch}, pooling type {pooling}"))
 }
 
+/// The tier's chat format: its `chat_template` (a file or a built-in name), else the
+/// GGUF's template, else ChatML. A GGUF template minijinja cannot compile falls back to
+/// ChatML with a warning (the tier still chats); a configured one that fails is an error.
 fn chat_format(model: &LlamaModel, cfg: &EngineConfig) -> Result<ChatFormat, TierError> {
     let vocab = model.vocab();
     let piece =

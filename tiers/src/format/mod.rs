@@ -670,7 +670,7 @@ fn describe_tools(input: &mut ChatInput) {
 
 /// For a template that does not render `tool_calls`: each call goes into its turn's text
 /// as the JSON object [`describe_tools`] asks for, one per line.
-pub fn calls_as_text(messages: &mut [ChatMessage]) {
+fn calls_as_text(messages: &mut [ChatMessage]) {
     for m in messages.iter_mut().filter(|m| !m.tool_calls.is_empty()) {
         for c in std::mem::take(&mut m.tool_calls) {
             if !m.content.is_empty() {
@@ -686,7 +686,7 @@ pub fn calls_as_text(messages: &mut [ChatMessage]) {
 /// For a template that does not render `tool` turns: each run of results becomes one user
 /// turn, every result as `{"tool_response": {"tool": .., "content": ..}}` on its own line
 /// (the tool named by the result, else by the call it answers).
-pub fn results_as_user_turns(messages: &mut Vec<ChatMessage>) {
+fn results_as_user_turns(messages: &mut Vec<ChatMessage>) {
     let mut out: Vec<ChatMessage> = Vec::with_capacity(messages.len());
     let mut after_result = false;
     for m in messages.drain(..) {
@@ -716,7 +716,7 @@ pub fn results_as_user_turns(messages: &mut Vec<ChatMessage>) {
 }
 
 /// For a template without a system role: the system text opens the first user turn.
-pub fn system_into_first_user_turn(messages: &mut Vec<ChatMessage>) {
+fn system_into_first_user_turn(messages: &mut Vec<ChatMessage>) {
     let Some(i) = messages.iter().position(|m| m.role == Role::System) else {
         return;
     };
