@@ -13,11 +13,14 @@ most. The calls a server returns are graded with `bfcl_eval.eval_checker.ast_eva
 unmodified (imported from the wheel; its model table and the Java/JavaScript parsers it
 imports are stubbed, the Python path never uses them). A reply without tool calls scores 0.
 
-Also written, per question and server: the prompt tokens the server counted (usage), so the
-same request's prompt can be compared across servers.
+Also written, per question and server: the prompt and completion tokens the server counted
+(usage), so the same request's prompt can be compared across servers, and mesh's own `mesh`
+field of the reply when there is one (a cascade's steps, verdicts and margins).
 
 The sample: the first question of each category and then every k-th (k = size / n), the same
-questions on every server and every run.
+questions on every server and every run. `--split tune` keeps the sample's even positions
+(0, 2, ...), `--split heldout` its odd ones: two disjoint halves for choosing thresholds on one
+and reporting them on the other (`evals/cascade_split.py`).
 """
 
 import argparse
@@ -133,6 +136,8 @@ def main():
     ap.add_argument("--server", action="append", required=True, help="NAME=URL,MODEL (repeatable)")
     ap.add_argument("--categories", default="simple,multiple,parallel")
     ap.add_argument("--per-category", type=int, default=100, help="questions per category (0: all)")
+    ap.add_argument("--split", choices=["all", "tune", "heldout"], default="all",
+                    help="the sample's even (tune) or odd (heldout) positions")
     ap.add_argument("--timeout", type=float, default=600)
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
@@ -146,6 +151,8 @@ def main():
     rows = []
     for cat in args.categories.split(","):
         items = sample(load(data, cat), args.per_category)
+        if args.split != "all":
+            items = items[(args.split == "heldout")::2]
         for i, (q, truth) in enumerate(items):
             row = {"id": q["id"], "category": cat, "servers": {}}
             for name, url, model in servers:
@@ -160,6 +167,8 @@ def main():
                     row["servers"][name] = {
                         "ok": ok, "why": why, "calls": calls, "seconds": round(secs, 2),
                         "prompt_tokens": resp.get("usage", {}).get("prompt_tokens"),
+                        "completion_tokens": resp.get("usage", {}).get("completion_tokens"),
+                        "mesh": resp.get("mesh"),
                         "content": (resp["choices"][0]["message"].get("content") or "")[:200]}
                 except Exception as e:  # a failed request scores 0 and is noted
                     row["servers"][name] = {"ok": False, "why": f"{type(e).__name__}: {e}"[:200]}
@@ -176,7 +185,7 @@ def main():
         summary[name] = per
     same = [r for r in rows if len(servers) > 1 and len({str(r["servers"][n].get("prompt_tokens")) for n, _, _ in servers}) == 1]
     result = {"servers": [{"name": n, "url": u, "model": m} for n, u, m in servers],
-              "per_category": args.per_category, "summary": summary,
+              "per_category": args.per_category, "split": args.split, "summary": summary,
               "same_prompt_tokens": f"{len(same)} of {len(rows)}", "rows": rows}
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1)

@@ -10,7 +10,14 @@
 # examples if they are missing. MESH_EVAL_THREADS sets the embedder's threads (default 0:
 # all cores); MESH_EVAL_MODEL another embedding GGUF to evaluate (default: the bundled
 # all-MiniLM-L6-v2 fine-tuned for tool routing; models/embed/all-minilm-l6-v2-f16.gguf
-# is the published model it started from).
+# is the published model it started from). MESH_EVAL_QUERY_PREFIX and
+# MESH_EVAL_DOCUMENT_PREFIX put the task prefixes some models were trained with before
+# queries and tool texts, e.g. for nomic-embed-text v1.5 (`mesh models pull
+# nomic-embed-text-v1.5`):
+#
+#   MESH_EVAL_MODEL=~/.cache/mesh/models/nomic-embed-text-v1.5-f16.gguf \
+#   MESH_EVAL_QUERY_PREFIX="search_query: " MESH_EVAL_DOCUMENT_PREFIX="search_document: " \
+#   OUT=bench-results/router-nomic bash scripts/eval-router.sh
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -18,6 +25,8 @@ cd "$ROOT"
 OUT="${OUT:-bench-results/router}"
 THREADS="${MESH_EVAL_THREADS:-0}"
 MODEL="${MESH_EVAL_MODEL:-models/embed/minilm-l6-tools-f16.gguf}"
+QUERY_PREFIX="${MESH_EVAL_QUERY_PREFIX:-}"
+DOCUMENT_PREFIX="${MESH_EVAL_DOCUMENT_PREFIX:-}"
 BIN=target/release/examples
 
 for ex in bfcl_router multistep_router livemcp_router; do
@@ -34,7 +43,8 @@ run() {
     local name="$1"
     shift
     echo "== $name: $*" >&2
-    "$BIN/$name" "$@" --model "$MODEL" --threads "$THREADS" --out "$OUT/$name.json" 2>"$OUT/$name.log" \
+    "$BIN/$name" "$@" --model "$MODEL" --threads "$THREADS" --query-prefix "$QUERY_PREFIX" \
+        --document-prefix "$DOCUMENT_PREFIX" --out "$OUT/$name.json" 2>"$OUT/$name.log" \
         | tee "$OUT/$name.md"
 }
 run bfcl_router --data "$BFCL" --count-model models/t1-q8_0.gguf

@@ -8,6 +8,7 @@
 //!                ──▶ kv-store   PageStoreActor   (pagestore: RAM/far/disk pages, adverts)
 //!                ──▶ engines    EnginesActor     (engines: supervises one TierActor per engine)
 //!                ──▶ router     RouterActor      (router: embedder, catalog indexes)
+//!                ──▶ embeddings EmbeddingsActor  (embeddings: models served at /v1/embeddings)
 //!                ──▶ governor   GovernorActor    (governor: thinking budgets)
 //!                ──▶ tuner      TunerActor       (tuner: policy state, cycles, reloads)
 //!                ──▶ planner    PlannerActor     (planner: tier replicas across the cluster)
@@ -25,6 +26,7 @@
 //! actor). [`tasks`] tracks the long-lived tasks that are not actors.
 
 pub mod cluster;
+pub mod embeddings;
 pub mod engines;
 pub mod governor;
 pub mod membership;

@@ -32,6 +32,11 @@ pub(crate) struct DecodeArgs {
     /// Tool schemas in each prompt (sets the prompt length: about 100 tokens each for t1).
     #[arg(long, default_value_t = 4)]
     tools_per_prompt: usize,
+    /// Prompts to send instead of the catalog's (a JSONL file, `{"prompt": "..."}` per line,
+    /// each already in the model's chat format, e.g. `benches/prompts/qwen-code.jsonl`);
+    /// prompt k is line k, so the file needs as many lines as the run sends requests.
+    #[arg(long)]
+    prompts: Option<PathBuf>,
     /// Tool catalog the prompts are built from.
     #[arg(long, default_value = "models/fixtures/catalog.jsonl")]
     catalog: PathBuf,
@@ -100,9 +105,22 @@ async fn bench(
     let record = RunRecord::begin(progress);
     let catalog = workload::load_catalog(&args.catalog)?;
     let n_prompts = args.requests_per_target();
-    let prompts: Vec<String> = (0..n_prompts)
-        .map(|k| workload::prompt(&catalog, k, args.tools_per_prompt))
-        .collect();
+    let prompts: Vec<String> = match &args.prompts {
+        Some(path) => {
+            let given = workload::load_prompts(path)?;
+            if given.len() < n_prompts {
+                bail!(
+                    "{} holds {} prompts; this run sends {n_prompts} per target",
+                    path.display(),
+                    given.len()
+                );
+            }
+            given
+        }
+        None => (0..n_prompts)
+            .map(|k| workload::prompt(&catalog, k, args.tools_per_prompt))
+            .collect(),
+    };
     let (client, ready_s) = args
         .servers
         .start(&args.out, &[], servers, progress)
@@ -216,7 +234,10 @@ async fn bench(
         "rounds": args.rounds,
         "arrival": "closed loop: all streams start together, each sends its next request when the previous one ends",
         "tools_per_prompt": args.tools_per_prompt,
-        "prompts": "chat format with tool schemas from the catalog; prompt k lists catalog entries k, k+37, ...; never reused within a target",
+        "prompts": match &args.prompts {
+            Some(p) => format!("{}, line k for request k; never reused within a target", p.display()),
+            None => "chat format with tool schemas from the catalog; prompt k lists catalog entries k, k+37, ...; never reused within a target".to_owned(),
+        },
         "catalog": args.catalog.display().to_string(),
         "endpoint": "/v1/completions",
         "connections": "a new TCP connection per request (no keep-alive reuse)",

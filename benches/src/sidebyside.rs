@@ -54,6 +54,11 @@ pub(crate) struct ServerArgs {
     /// a CUDA build (pair it with `--mesh-arg=--gpu-layers --mesh-arg=all`).
     #[arg(long = "llama-arg", value_name = "ARG", allow_hyphen_values = true)]
     pub(crate) llama_extra: Vec<String>,
+    /// Draft model for speculative decoding on both servers (mesh: `--draft TIER=PATH`,
+    /// llama-server: `-md PATH`); it must share the model's vocabulary. Settings beyond the
+    /// model are each server's defaults unless given with `--mesh-arg` / `--llama-arg`.
+    #[arg(long)]
+    pub(crate) draft: Option<PathBuf>,
     /// Give llama-server one unified KV buffer as mesh has (default: its per-slot buffers).
     #[arg(long)]
     pub(crate) llama_kv_unified: bool,
@@ -79,7 +84,8 @@ impl ServerArgs {
                 "build it with `scripts/build-llama-server.sh`",
             ),
         ];
-        for (path, hint) in own.iter().chain(extra) {
+        let draft = self.draft.as_deref().map(|d| (d, "the draft GGUF"));
+        for (path, hint) in own.iter().chain(extra).chain(draft.iter()) {
             if !path.exists() {
                 bail!("{} not found ({hint})", path.display());
             }
@@ -106,6 +112,10 @@ impl ServerArgs {
         ]
         .map(String::from)
         .to_vec();
+        if let Some(d) = &self.draft {
+            v.push("--draft".into());
+            v.push(format!("{}={}", self.tier, d.display()));
+        }
         v.extend_from_slice(&self.mesh_extra);
         v.extend_from_slice(extra);
         v
@@ -151,6 +161,10 @@ impl ServerArgs {
             }
             .into(),
         );
+        if let Some(d) = &self.draft {
+            v.push("-md".into());
+            v.push(d.display().to_string());
+        }
         v.extend_from_slice(&self.llama_extra);
         v
     }
@@ -209,6 +223,9 @@ impl ServerArgs {
             "parallel": self.parallel,
             "batch": self.batch,
             "ubatch": self.batch,
+            "draft": self.draft.as_ref().map(|d| d.display().to_string()),
+            "mesh_extra_args": self.mesh_extra,
+            "llama_server_extra_args": self.llama_extra,
         });
         if let (Some(v), Value::Object(extra)) = (v.as_object_mut(), extra) {
             v.extend(extra);

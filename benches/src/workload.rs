@@ -34,24 +34,48 @@ pub(crate) fn splitmix64_mix(mut z: u64) -> u64 {
 
 /// Tool schemas from `catalog.jsonl`, in file order, as `{name, description, parameters}`.
 pub(crate) fn load_catalog(path: &Path) -> Result<Vec<Value>> {
-    let text =
-        std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
-    let mut tools = Vec::new();
-    for (i, line) in text
-        .lines()
-        .enumerate()
-        .filter(|(_, l)| !l.trim().is_empty())
-    {
-        let v: Value = serde_json::from_str(line)
-            .with_context(|| format!("{}:{}: not JSON", path.display(), i + 1))?;
-        tools.push(json!({
-            "name": v["name"], "description": v["description"], "parameters": v["parameters"],
-        }));
-    }
+    let tools: Vec<Value> = jsonl(path)?
+        .into_iter()
+        .map(|(_, v)| {
+            json!({
+                "name": v["name"], "description": v["description"], "parameters": v["parameters"],
+            })
+        })
+        .collect();
     if tools.is_empty() {
         bail!("{} holds no tools", path.display());
     }
     Ok(tools)
+}
+
+/// Raw prompts from a JSONL file, `{"prompt": "..."}` per line (blank lines skipped).
+pub(crate) fn load_prompts(path: &Path) -> Result<Vec<String>> {
+    let mut out = Vec::new();
+    for (line, v) in jsonl(path)? {
+        let Some(p) = v["prompt"].as_str() else {
+            bail!("{}:{line}: no \"prompt\" string", path.display());
+        };
+        out.push(p.to_owned());
+    }
+    if out.is_empty() {
+        bail!("{} holds no prompts", path.display());
+    }
+    Ok(out)
+}
+
+/// The JSON values of a JSONL file with their line numbers (blank lines skipped).
+fn jsonl(path: &Path) -> Result<Vec<(usize, Value)>> {
+    let text =
+        std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
+    text.lines()
+        .enumerate()
+        .filter(|(_, l)| !l.trim().is_empty())
+        .map(|(i, line)| {
+            serde_json::from_str(line)
+                .map(|v| (i + 1, v))
+                .with_context(|| format!("{}:{}: not JSON", path.display(), i + 1))
+        })
+        .collect()
 }
 
 /// Prompt number `k`: system line, `n_tools` schemas starting at catalog entry `k`, and a

@@ -61,6 +61,25 @@ pub struct EmbedderConfig {
     /// model's training context. 256 is what sentence-transformers uses for MiniLM.
     /// Default 256.
     pub max_text_tokens: u32,
+    /// Text put before every query (a routing intent, [`TextRole::Query`]): models trained
+    /// with task prefixes need theirs, e.g. `"search_query: "` for nomic-embed-text v1.5.
+    /// Default empty (MiniLM has none).
+    pub query_prefix: String,
+    /// Text put before every document (a tool description, [`TextRole::Document`]), e.g.
+    /// `"search_document: "` for nomic-embed-text v1.5. Default empty.
+    pub document_prefix: String,
+}
+
+/// What a text is to the model, for models trained with task prefixes
+/// ([`EmbedderConfig::query_prefix`], [`EmbedderConfig::document_prefix`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum TextRole {
+    /// Something searched for (a routing intent).
+    Query,
+    /// Something searched in (a tool's description).
+    Document,
+    /// Taken as given, no prefix (what `/v1/embeddings` callers send: they add their own).
+    Raw,
 }
 
 impl Default for EmbedderConfig {
@@ -71,6 +90,8 @@ impl Default for EmbedderConfig {
             batch_tokens: 512,
             max_seqs: 64,
             max_text_tokens: 256,
+            query_prefix: String::new(),
+            document_prefix: String::new(),
         }
     }
 }
@@ -159,7 +180,34 @@ impl EmbeddingCache {
 /// One request to the worker: token sequences in, `n × dim` normalised floats out.
 struct Job {
     texts: Vec<Vec<LlamaToken>>,
-    reply: mpsc::Sender<Result<Vec<f32>, ControlError>>,
+    reply: Reply,
+}
+
+/// Where a job's vectors go: a blocked caller, or a callback run on the worker thread.
+enum Reply {
+    Blocking(mpsc::Sender<Result<Vec<f32>, ControlError>>),
+    Callback(Box<dyn FnOnce(Result<Vec<f32>, ControlError>) + Send>),
+}
+
+impl Reply {
+    fn send(self, r: Result<Vec<f32>, ControlError>) {
+        match self {
+            // A caller that gave up no longer wants the vectors.
+            Reply::Blocking(tx) => {
+                let _ = tx.send(r);
+            }
+            Reply::Callback(f) => f(r),
+        }
+    }
+}
+
+/// Vectors of an [`Embedder::submit_exact`] call.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Embedded {
+    /// One L2-normalised vector per text, in order.
+    pub vectors: Vec<Vec<f32>>,
+    /// Tokens the model read (special tokens included).
+    pub tokens: usize,
 }
 
 /// A sentence embedder over a llama.cpp encoder model (mean pooling, L2-normalised).
@@ -175,6 +223,8 @@ pub struct Embedder {
     tx: Option<mpsc::Sender<Job>>,
     worker: Option<JoinHandle<()>>,
     cache: EmbeddingCache,
+    query_prefix: String,
+    document_prefix: String,
 }
 
 impl std::fmt::Debug for Embedder {
@@ -218,6 +268,8 @@ impl Embedder {
         let keep_last = vocab.should_add_sep() || vocab.should_add_eos();
         let max_text_tokens = cfg.max_text_tokens.min(model.n_ctx_train().max(2)) as usize;
         let model = Arc::new(model);
+        let (query_prefix, document_prefix) =
+            (cfg.query_prefix.clone(), cfg.document_prefix.clone());
 
         let (tx, rx) = mpsc::channel::<Job>();
         let (ready_tx, ready_rx) = mpsc::channel();
@@ -241,7 +293,15 @@ impl Embedder {
             tx: Some(tx),
             worker: Some(worker),
             cache: EmbeddingCache::default(),
+            query_prefix,
+            document_prefix,
         })
+    }
+
+    /// Longest text in tokens (special tokens included); longer ones are cut, or refused
+    /// by [`embed_exact`](Self::embed_exact).
+    pub fn max_text_tokens(&self) -> usize {
+        self.max_text_tokens
     }
 
     /// Embedding width (384 for MiniLM).
@@ -263,23 +323,96 @@ impl Embedder {
             .len()
     }
 
-    /// Embeds one text without the cache (use for queries).
+    /// Embeds one query without the cache (a routing intent; the query prefix applies).
     pub fn embed(&self, text: &str) -> Result<Vec<f32>, ControlError> {
-        self.run(vec![self.tokenize(text)?])
+        self.run(vec![self.tokenize(&self.prefixed(text, TextRole::Query))?])
     }
 
-    /// Embeds many texts without the cache, several per `llama_decode`.
-    pub fn embed_batch<S: AsRef<str>>(&self, texts: &[S]) -> Result<Vec<Vec<f32>>, ControlError> {
+    /// Embeds many texts of one role without the cache, several per `llama_decode`.
+    pub fn embed_batch<S: AsRef<str>>(
+        &self,
+        texts: &[S],
+        role: TextRole,
+    ) -> Result<Vec<Vec<f32>>, ControlError> {
         let tokens = texts
             .iter()
-            .map(|t| self.tokenize(t.as_ref()))
+            .map(|t| self.tokenize(&self.prefixed(t.as_ref(), role)))
             .collect::<Result<Vec<_>, _>>()?;
         let flat = self.run(tokens)?;
         Ok(flat.chunks_exact(self.dim).map(<[f32]>::to_vec).collect())
     }
 
-    /// Embeds many texts through the cache: only texts never seen before are computed
-    /// (each once, even if repeated in `texts`).
+    /// Queues `texts` as given (no prefix, no cache, never cut: a text over
+    /// [`max_text_tokens`](Self::max_text_tokens) is refused with
+    /// [`ControlError::TextTooLong`]) and returns at once; the worker thread calls `done`
+    /// with the vectors (keep it short: the next job waits for it). Errors found before
+    /// queueing (a text too long or without tokens, a stopped worker) are returned here and
+    /// `done` is not called.
+    pub fn submit_exact<S: AsRef<str>>(
+        &self,
+        texts: &[S],
+        done: impl FnOnce(Result<Embedded, ControlError>) + Send + 'static,
+    ) -> Result<(), ControlError> {
+        let mut tokens = Vec::with_capacity(texts.len());
+        for (index, t) in texts.iter().enumerate() {
+            let toks = self
+                .model
+                .vocab()
+                .tokenize(t.as_ref().as_bytes(), true, false);
+            if toks.is_empty() {
+                return Err(ControlError::Embed(format!("input {index} has no tokens")));
+            }
+            if toks.len() > self.max_text_tokens {
+                return Err(ControlError::TextTooLong {
+                    index,
+                    tokens: toks.len(),
+                    max: self.max_text_tokens,
+                });
+            }
+            tokens.push(toks);
+        }
+        let count = tokens.iter().map(Vec::len).sum();
+        if tokens.is_empty() {
+            done(Ok(Embedded {
+                vectors: Vec::new(),
+                tokens: 0,
+            }));
+            return Ok(());
+        }
+        let dim = self.dim;
+        let reply = Reply::Callback(Box::new(move |r: Result<Vec<f32>, ControlError>| {
+            done(r.map(|flat| Embedded {
+                vectors: flat.chunks_exact(dim).map(<[f32]>::to_vec).collect(),
+                tokens: count,
+            }))
+        }));
+        self.tx
+            .as_ref()
+            .ok_or(ControlError::EmbedderStopped)?
+            .send(Job {
+                texts: tokens,
+                reply,
+            })
+            .map_err(|_| ControlError::EmbedderStopped)
+    }
+
+    /// `text` with the prefix of its role.
+    fn prefixed<'a>(&self, text: &'a str, role: TextRole) -> std::borrow::Cow<'a, str> {
+        let prefix = match role {
+            TextRole::Query => &self.query_prefix,
+            TextRole::Document => &self.document_prefix,
+            TextRole::Raw => return text.into(),
+        };
+        if prefix.is_empty() {
+            text.into()
+        } else {
+            format!("{prefix}{text}").into()
+        }
+    }
+
+    /// Embeds many documents (tool texts; the document prefix applies) through the
+    /// cache: only texts never seen before are computed (each once, even if repeated in
+    /// `texts`).
     pub fn embed_cached<S: AsRef<str>>(
         &self,
         texts: &[S],
@@ -305,7 +438,8 @@ impl Embedder {
                     pending.insert(key, miss_keys.len());
                     slot[i] = miss_keys.len();
                     miss_keys.push(key);
-                    miss_tokens.push(self.tokenize(text.as_ref())?);
+                    miss_tokens
+                        .push(self.tokenize(&self.prefixed(text.as_ref(), TextRole::Document))?);
                     out.push(None);
                 }
             }
@@ -353,7 +487,10 @@ impl Embedder {
         self.tx
             .as_ref()
             .ok_or(ControlError::EmbedderStopped)?
-            .send(Job { texts, reply })
+            .send(Job {
+                texts,
+                reply: Reply::Blocking(reply),
+            })
             .map_err(|_| ControlError::EmbedderStopped)?;
         rx.recv().map_err(|_| ControlError::EmbedderStopped)?
     }
@@ -401,7 +538,7 @@ fn worker(
     let mut batch = LlamaBatch::new(cfg.batch_tokens as usize, cfg.max_seqs as i32);
     for job in rx {
         let result = encode(&mut ctx, &mut batch, cfg, dim, &job.texts);
-        let _ = job.reply.send(result);
+        job.reply.send(result);
     }
 }
 

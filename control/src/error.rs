@@ -19,6 +19,17 @@ pub enum ControlError {
     /// llama.cpp failed while computing embeddings.
     #[error("embedding failed: {0}")]
     Embed(String),
+    /// A text is longer than the embedding model reads (`max_text_tokens`); shorten or
+    /// split it.
+    #[error("input {index} has {tokens} tokens; this embedding model reads at most {max}")]
+    TextTooLong {
+        /// Position of the text in the request.
+        index: usize,
+        /// Its tokens (special tokens included).
+        tokens: usize,
+        /// The most the model reads.
+        max: usize,
+    },
     /// The embedder's worker thread has stopped (it panicked or the embedder is shutting
     /// down); build a new [`Embedder`](crate::Embedder).
     #[error("embedder thread stopped")]

@@ -36,7 +36,7 @@ pub mod spec_tools;
 pub mod topology;
 pub mod tuner;
 
-pub use embed::{Embedder, EmbedderConfig};
+pub use embed::{Embedded, Embedder, EmbedderConfig, TextRole};
 pub use error::ControlError;
 pub use index::{FlatIndex, Hit, QuantizedIndex, VectorIndex};
 pub use router::{Confidence, Routed, RouterConfig, Routing, Tool, ToolRouter, ToolText};

@@ -55,7 +55,9 @@ fn batched_embeddings_equal_one_at_a_time_and_are_unit_length() {
         long.as_str(),
         "",
     ];
-    let batched = e.embed_batch(&texts).unwrap();
+    let batched = e
+        .embed_batch(&texts, mesh_control::TextRole::Query)
+        .unwrap();
     assert_eq!(batched.len(), texts.len());
     for (text, b) in texts.iter().zip(&batched) {
         let single = e.embed(text).unwrap();
@@ -101,7 +103,7 @@ fn packed_embeddings_match_sentence_transformers() {
     // The reference is the published all-MiniLM-L6-v2, which the bundled model was
     // fine-tuned from.
     let got = embedder_of(mesh_control::embed::BASE_MODEL)
-        .embed_batch(&sentences)
+        .embed_batch(&sentences, mesh_control::TextRole::Raw)
         .unwrap();
     for ((s, e), g) in sentences.iter().zip(&expected).zip(&got) {
         let norm: f32 = e.iter().map(|x| x * x).sum::<f32>().sqrt();
@@ -117,11 +119,14 @@ fn packed_embeddings_match_sentence_transformers() {
 fn similar_intents_are_closer_than_unrelated_ones() {
     let e = shared();
     let v = e
-        .embed_batch(&[
-            "What will the weather be like in Paris tomorrow?",
-            "weather_get_forecast: Get the forecast by city and date.",
-            "email_send: Send an email to a recipient.",
-        ])
+        .embed_batch(
+            &[
+                "What will the weather be like in Paris tomorrow?",
+                "weather_get_forecast: Get the forecast by city and date.",
+                "email_send: Send an email to a recipient.",
+            ],
+            mesh_control::TextRole::Raw,
+        )
         .unwrap();
     assert!(cosine(&v[0], &v[1]) > cosine(&v[0], &v[2]) + 0.2);
 }

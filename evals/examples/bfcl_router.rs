@@ -29,7 +29,7 @@ use serde_json::{json, Value};
 use mesh_control::embed::normalize;
 use mesh_control::index::recall;
 use mesh_control::router::tool_text;
-use mesh_control::{Embedder, EmbedderConfig, RouterConfig, Tool, ToolRouter, ToolText};
+use mesh_control::{Embedder, EmbedderConfig, RouterConfig, TextRole, Tool, ToolRouter, ToolText};
 use mesh_evals::bfcl::{find_file, read_jsonl};
 use mesh_evals::multistep::{self, merge_rankings, split_intents, Mean};
 
@@ -48,6 +48,13 @@ struct Args {
     /// llama.cpp threads for the embedder (0 = all cores).
     #[arg(long, default_value_t = 0)]
     threads: u32,
+    /// Text before every query, for embedders trained with task prefixes (nomic-embed-text
+    /// v1.5: `"search_query: "`).
+    #[arg(long, default_value = "")]
+    query_prefix: String,
+    /// Text before every tool or server text (nomic-embed-text v1.5: `"search_document: "`).
+    #[arg(long, default_value = "")]
+    document_prefix: String,
     /// Also count schema tokens with this GGUF's tokenizer (e.g. models/t1-q8_0.gguf).
     #[arg(long)]
     count_model: Option<PathBuf>,
@@ -228,6 +235,8 @@ fn main() -> Result<()> {
     let embedder = Embedder::new(EmbedderConfig {
         model: args.model.clone(),
         threads: args.threads,
+        query_prefix: args.query_prefix.clone(),
+        document_prefix: args.document_prefix.clone(),
         ..EmbedderConfig::default()
     })?;
 
@@ -272,7 +281,7 @@ fn main() -> Result<()> {
 
     let t0 = Instant::now();
     let queries: Vec<&str> = questions.iter().map(|q| q.query.as_str()).collect();
-    let query_vecs = embedder.embed_batch(&queries)?;
+    let query_vecs = embedder.embed_batch(&queries, TextRole::Query)?;
     println!(
         "embedded {} queries in {:.1} s",
         queries.len(),

@@ -38,7 +38,7 @@ use clap::Parser;
 use serde_json::{json, Value};
 
 use mesh_control::embed::normalize;
-use mesh_control::{Embedder, EmbedderConfig, RouterConfig, ToolRouter};
+use mesh_control::{Embedder, EmbedderConfig, RouterConfig, TextRole, ToolRouter};
 use mesh_evals::livemcp::{self, Catalog, McpTask};
 use mesh_evals::multistep::{held_out, merge_rankings, recall, split_intents, two_level, Mean};
 use mesh_evals::routing::{baseline_and_default, SchemaTokens};
@@ -59,6 +59,13 @@ struct Args {
     /// llama.cpp threads for the embedder (0 = all cores).
     #[arg(long, default_value_t = 0)]
     threads: u32,
+    /// Text before every query, for embedders trained with task prefixes (nomic-embed-text
+    /// v1.5: `"search_query: "`).
+    #[arg(long, default_value = "")]
+    query_prefix: String,
+    /// Text before every tool or server text (nomic-embed-text v1.5: `"search_document: "`).
+    #[arg(long, default_value = "")]
+    document_prefix: String,
     /// Servers the two-level strategy keeps before ranking tools.
     #[arg(long, default_value_t = 3)]
     servers: usize,
@@ -204,13 +211,15 @@ fn main() -> Result<()> {
     let embedder = Embedder::new(EmbedderConfig {
         model: args.model.clone(),
         threads: args.threads,
+        query_prefix: args.query_prefix.clone(),
+        document_prefix: args.document_prefix.clone(),
         ..EmbedderConfig::default()
     })?;
     let schema = SchemaTokens::new(&embedder, &catalog.tools);
     let all_tokens = schema.all;
     let q = queries(&tasks);
-    let vecs = embedder.embed_batch(&q.texts)?;
-    let mut server_vecs = embedder.embed_batch(&catalog.summaries)?;
+    let vecs = embedder.embed_batch(&q.texts, TextRole::Query)?;
+    let mut server_vecs = embedder.embed_batch(&catalog.summaries, TextRole::Document)?;
     server_vecs.iter_mut().for_each(|v| normalize(v));
     let server_of = catalog.server_of();
 

@@ -30,7 +30,7 @@ use serde_json::json;
 
 use mesh_control::embed::normalize;
 use mesh_control::router::tool_text;
-use mesh_control::{Embedder, EmbedderConfig, Tool, ToolRouter, ToolText};
+use mesh_control::{Embedder, EmbedderConfig, TextRole, Tool, ToolRouter, ToolText};
 use mesh_evals::bfcl::{find_file, read_jsonl};
 use mesh_evals::multistep::{
     self, held_out, merge_rankings, offered, recall, split_intents, two_level, Mean, Ranked,
@@ -58,6 +58,13 @@ struct Args {
     /// llama.cpp threads for the embedder (0 = all cores).
     #[arg(long, default_value_t = 0)]
     threads: u32,
+    /// Text before every query, for embedders trained with task prefixes (nomic-embed-text
+    /// v1.5: `"search_query: "`).
+    #[arg(long, default_value = "")]
+    query_prefix: String,
+    /// Text before every tool or server text (nomic-embed-text v1.5: `"search_document: "`).
+    #[arg(long, default_value = "")]
+    document_prefix: String,
     /// Servers (API classes) the two-level strategy keeps before ranking tools.
     #[arg(long, default_value_t = 2)]
     servers: usize,
@@ -148,7 +155,7 @@ fn matryoshka_check(
         .iter()
         .map(|t| tool_text(t, ToolText::NameDescription))
         .collect();
-    let tool_vecs = embedder.embed_batch(&texts)?;
+    let tool_vecs = embedder.embed_batch(&texts, TextRole::Document)?;
     let unit = |v: &Vec<f32>| {
         let mut v = v.clone();
         normalize(&mut v);
@@ -249,6 +256,8 @@ fn main() -> Result<()> {
     let embedder = Embedder::new(EmbedderConfig {
         model: args.model.clone(),
         threads: args.threads,
+        query_prefix: args.query_prefix.clone(),
+        document_prefix: args.document_prefix.clone(),
         ..EmbedderConfig::default()
     })?;
     let schema = SchemaTokens::new(&embedder, &tools);
@@ -258,8 +267,8 @@ fn main() -> Result<()> {
         .flat_map(|t| &t.steps)
         .map(|s| s.query.as_str())
         .collect();
-    let vecs = embedder.embed_batch(&queries)?;
-    let mut server_vecs = embedder.embed_batch(&servers.descriptions)?;
+    let vecs = embedder.embed_batch(&queries, TextRole::Query)?;
+    let mut server_vecs = embedder.embed_batch(&servers.descriptions, TextRole::Document)?;
     server_vecs.iter_mut().for_each(|v| normalize(v));
 
     let variants = baseline_and_default();

@@ -19,6 +19,16 @@
 //! tools, end-of-text banned): open-ended text, where the models are far less sure than
 //! on their tasks.
 //!
+//! Other models: `--target GGUF --draft GGUF --render` renders each task's user message and
+//! its tools with the target's own chat template (from the GGUF), e.g. the pack's Qwen pair:
+//!
+//! ```sh
+//! M=~/.cache/mesh/models
+//! target/release/examples/spec_serving --target $M/qwen2.5-coder-1.5b-instruct-q4_k_m.gguf \
+//!     --draft $M/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf --render --streams 1,2 \
+//!     --prompts 8 --max-tokens 128
+//! ```
+//!
 //! Both engines live in one process, each warmed up with one prompt, and run the same
 //! prompts one after the other (t3 alone, then t3 with the draft, for each concurrency),
 //! so machine load hits both.
@@ -48,6 +58,12 @@ struct Args {
     temperature: f32,
     acceptance: Vec<DraftAcceptance>,
     turns: usize,
+    target: Option<PathBuf>,
+    draft: Option<PathBuf>,
+    render: bool,
+    streams: Vec<usize>,
+    k_init: usize,
+    k_max: usize,
 }
 
 fn args() -> Args {
@@ -63,9 +79,15 @@ fn args() -> Args {
         temperature: 0.0,
         acceptance: vec![DraftAcceptance::Rejection],
         turns: 1,
+        target: None,
+        draft: None,
+        render: false,
+        streams: vec![1, 4],
+        k_init: DraftConfig::default().k_init,
+        k_max: DraftConfig::default().k_max,
     };
     const USAGE: &str =
-        "usage: spec_serving [--prompts N] [--max-tokens N] [--threads N] [--draft-threads N] [--draft-threads-batch N] [--models DIR] [--grammar | --raw] [--temperature T] [--acceptance rejection|exact|both] [--turns N]";
+        "usage: spec_serving [--prompts N] [--max-tokens N] [--threads N] [--draft-threads N] [--draft-threads-batch N] [--models DIR] [--grammar | --raw] [--temperature T] [--acceptance rejection|exact|both] [--turns N] [--target GGUF] [--draft GGUF] [--render] [--streams 1,4] [--k-init N] [--k-max N]";
     let usage = |why: &str| -> ! {
         eprintln!("spec_serving: {why}\n{USAGE}");
         std::process::exit(2)
@@ -79,6 +101,10 @@ fn args() -> Args {
             }
             "--raw" => {
                 a.raw = true;
+                continue;
+            }
+            "--render" => {
+                a.render = true;
                 continue;
             }
             "--help" | "-h" => {
@@ -101,6 +127,16 @@ fn args() -> Args {
             "--models" => a.models = v.into(),
             "--temperature" => a.temperature = v.parse().expect("--temperature T"),
             "--turns" => a.turns = v.parse().expect("--turns N"),
+            "--target" => a.target = Some(v.into()),
+            "--k-init" => a.k_init = v.parse().expect("--k-init N"),
+            "--k-max" => a.k_max = v.parse().expect("--k-max N"),
+            "--draft" => a.draft = Some(v.into()),
+            "--streams" => {
+                a.streams = v
+                    .split(',')
+                    .map(|n| n.parse().expect("--streams N,M"))
+                    .collect()
+            }
             "--acceptance" => {
                 a.acceptance = match v.as_str() {
                     "rejection" => vec![DraftAcceptance::Rejection],
@@ -112,15 +148,49 @@ fn args() -> Args {
             _ => usage(&format!("unknown argument {k}")),
         }
     }
+    if a.render && (a.grammar || a.raw || a.turns > 1) {
+        usage("--render takes neither --grammar (the bundled tiers' grammar), --raw nor --turns");
+    }
+    if a.streams.is_empty() || a.streams.contains(&0) {
+        usage("--streams needs positive counts");
+    }
     a
+}
+
+impl Args {
+    fn target(&self) -> PathBuf {
+        self.target
+            .clone()
+            .unwrap_or_else(|| self.models.join("t3-q8_0.gguf"))
+    }
+
+    fn draft(&self) -> PathBuf {
+        self.draft
+            .clone()
+            .unwrap_or_else(|| self.models.join("t1-q8_0.gguf"))
+    }
+}
+
+/// A model's short name: its file name up to the first `-q` quantization suffix.
+fn short(path: &std::path::Path) -> String {
+    let stem = path
+        .file_stem()
+        .map_or_else(String::new, |s| s.to_string_lossy().into_owned());
+    stem.rsplit_once("-q")
+        .map_or(stem.clone(), |(s, _)| s.to_owned())
 }
 
 fn engine(a: &Args, draft: Option<DraftAcceptance>) -> Engine {
     Engine::start(EngineConfig {
-        name: if draft.is_some() { "t3+t1" } else { "t3" }.into(),
-        model: a.models.join("t3-q8_0.gguf"),
-        n_ctx: 4 * 2048,
-        n_seq_max: 4,
+        name: if draft.is_some() {
+            "target+draft"
+        } else {
+            "target"
+        }
+        .into(),
+        model: a.target(),
+        n_ctx: a.streams.iter().max().copied().unwrap_or(4).max(1) as u32 * 2048,
+        n_seq_max: a.streams.iter().max().copied().unwrap_or(4).max(1) as u32,
         n_batch: 512,
         prefill_chunk: 256,
         threads: a.threads,
@@ -130,7 +200,10 @@ fn engine(a: &Args, draft: Option<DraftAcceptance>) -> Engine {
             ..KvPagesConfig::default()
         },
         draft: draft.map(|acceptance| DraftConfig {
-            model: a.models.join("t1-q8_0.gguf"),
+            model: a.draft(),
+            k_init: a.k_init,
+            k_max: a.k_max,
+            k_min: a.k_init.min(DraftConfig::default().k_min),
             threads: a.draft_threads,
             threads_batch: a.draft_threads_batch,
             acceptance,
@@ -298,13 +371,14 @@ async fn main() {
     let tasks = mesh_tiers::eval::load_tasks(&a.models.join("fixtures/eval-heldout.jsonl"))
         .unwrap_or_else(|e| panic!("{e}"));
     let plain = engine(&a, None);
+    let (tname, dname) = (short(&a.target()), short(&a.draft()));
     let drafted: Vec<(String, Engine)> = a
         .acceptance
         .iter()
         .map(|&acc| {
             let name = match (a.temperature > 0.0, acc) {
-                (false, _) => "t1 drafts, t3 verifies".to_owned(),
-                (true, acc) => format!("t1 drafts, t3 verifies ({acc:?} acceptance)"),
+                (false, _) => format!("{dname} drafts, {tname} verifies"),
+                (true, acc) => format!("{dname} drafts, {tname} verifies ({acc:?} acceptance)"),
             };
             (name, engine(&a, Some(acc)))
         })
@@ -325,8 +399,24 @@ async fn main() {
             let grammar = (a.grammar && !tools.is_empty()).then(|| {
                 mesh_tiers::chat::tool_call_grammar(&tools).expect("grammar for the tools")
             });
+            let prompt = if a.render {
+                let input = mesh_tiers::format::ChatInput {
+                    messages: vec![mesh_tiers::chat::ChatMessage::text(
+                        mesh_tiers::chat::Role::User,
+                        user_message(text),
+                    )],
+                    tools,
+                    ..Default::default()
+                };
+                plain
+                    .render(&input)
+                    .expect("the target's template renders")
+                    .0
+            } else {
+                plain.tokenize(text)
+            };
             GenerateRequest {
-                prompt: plain.tokenize(text),
+                prompt,
                 // Bare text ends at once otherwise; continue for max_tokens.
                 ignore_eos: a.raw,
                 grammar_trigger: grammar.as_ref().map(|_| mesh_tiers::chat::CALL.to_owned()),
@@ -350,8 +440,13 @@ async fn main() {
         run(e, &prompts[..1], 1, a.max_tokens, (1, &follow)).await;
     }
     println!(
-        "{} held-out prompts ({} with the tool-call grammar), {} turn(s) each, {}{}, at most {} new tokens, {} llama.cpp threads for t3 and {}/{} for the draft (one token/batches; 0 = same), loadavg at start {}",
+        "{} held-out prompts{} ({} with the tool-call grammar), {} turn(s) each, {}{}, at most {} new tokens, {} llama.cpp threads for {tname} and {}/{} for the draft {dname} (one token/batches; 0 = same), loadavg at start {}",
         prompts.len(),
+        if a.render {
+            ", user message and tools rendered with the target's chat template"
+        } else {
+            ""
+        },
         prompts.iter().filter(|r| r.grammar.is_some()).count(),
         a.turns,
         if a.raw { "bare user messages to continue, " } else { "" },
@@ -369,9 +464,9 @@ async fn main() {
     println!();
     println!("| concurrent | engine | decode tok/s per sequence | wall tok/s (incl. prefill) | identical outputs | drafts accepted | other processes' CPU (cores) |");
     println!("|---:|---|---:|---:|---:|---:|---:|");
-    for conc in [1, 4] {
+    for &conc in &a.streams {
         let base = run(&plain, &prompts, conc, a.max_tokens, (a.turns, &follow)).await;
-        let mut runs = vec![("t3 alone".to_owned(), base)];
+        let mut runs = vec![(format!("{tname} alone"), base)];
         for (name, e) in &drafted {
             runs.push((
                 name.clone(),
@@ -419,6 +514,28 @@ async fn main() {
         }
     }
     println!();
+    let phases = |e: &Engine| {
+        let st = e.stats();
+        mesh_tiers::STEP_PHASES
+            .iter()
+            .zip(&st.step_ns)
+            .map(|(p, ns)| {
+                let s = ns.load(std::sync::atomic::Ordering::Relaxed) as f64 / 1e9;
+                format!("{p} {s:.1} s")
+            })
+            .collect::<Vec<_>>()
+            .join(", ")
+    };
+    println!(
+        "{tname} alone, engine thread by step phase (whole run): {}",
+        phases(&plain)
+    );
+    for (name, e) in &drafted {
+        println!(
+            "{name}, engine thread by step phase (whole run): {}",
+            phases(e)
+        );
+    }
     for (name, e) in &drafted {
         let st = e.stats();
         let load = |c: &std::sync::atomic::AtomicU64| c.load(std::sync::atomic::Ordering::Relaxed);

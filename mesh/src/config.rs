@@ -50,6 +50,9 @@ pub struct NodeConfig {
     pub reasoning: ReasoningPolicy,
     /// Tool routing (`[tool_routing]`): which of a request's tools the prompt shows.
     pub tool_routing: ToolRouting,
+    /// Embedding models served at `/v1/embeddings` (`[[embeddings]]`), loaded when the
+    /// node starts; default none.
+    pub embeddings: Vec<EmbeddingModel>,
     /// Tier placement on this host's cores (`[placement]`).
     pub placement: mesh_control::placement::PlacementConfig,
     /// MCP tool servers (`[[mcp.servers]]`) for agent tasks.
@@ -427,6 +430,58 @@ impl AgentSettings {
     }
 }
 
+/// One embedding model served at `/v1/embeddings` (OpenAI's embeddings API).
+///
+/// ```toml
+/// [[embeddings]]
+/// name = "nomic-embed-text-v1.5"   # the `model` clients send
+/// model = "nomic-embed-text-v1.5"  # a GGUF path or a pulled embedding model of the pack
+/// threads = 1
+/// max_text_tokens = 512
+/// ```
+///
+/// Memory: the model's weights (nomic-embed-text v1.5 f16: 262 MiB) and a context of
+/// `max(512, max_text_tokens)` tokens. Inputs are embedded as given: a model trained with
+/// task prefixes (nomic's `search_query: ` / `search_document: `) needs the caller to add
+/// them.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct EmbeddingModel {
+    /// The model id clients send.
+    pub name: String,
+    /// The embedding GGUF, or a pulled embedding model of the pack by name.
+    pub model: PathBuf,
+    /// llama.cpp threads (0 = all cores). Default 1: embedding shares the host with tiers.
+    pub threads: u32,
+    /// Longest input in tokens, special tokens included (capped by the model's training
+    /// context); a longer input is refused with 400, never cut. Default 512.
+    pub max_text_tokens: u32,
+}
+
+impl Default for EmbeddingModel {
+    fn default() -> Self {
+        Self {
+            name: String::new(),
+            model: PathBuf::new(),
+            threads: 1,
+            max_text_tokens: 512,
+        }
+    }
+}
+
+impl EmbeddingModel {
+    /// The embedder's settings: one context of `max(512, max_text_tokens)` tokens.
+    pub fn embedder(&self) -> EmbedderConfig {
+        EmbedderConfig {
+            model: self.model.clone(),
+            threads: self.threads,
+            batch_tokens: self.max_text_tokens.max(512),
+            max_text_tokens: self.max_text_tokens,
+            ..EmbedderConfig::default()
+        }
+    }
+}
+
 /// When and how the gateway routes a request's tools before rendering the prompt.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
@@ -537,6 +592,7 @@ impl Default for NodeConfig {
             cascade: CascadePolicy::default(),
             reasoning: ReasoningPolicy::default(),
             tool_routing: ToolRouting::default(),
+            embeddings: Vec::new(),
             placement: mesh_control::placement::PlacementConfig::default(),
             mcp: McpSettings::default(),
             agent: AgentSettings::default(),
@@ -600,25 +656,64 @@ impl NodeConfig {
             t.model =
                 crate::models::resolve_model(&t.name, &t.model, crate::models::pack(), &cache)?;
         }
-        cfg.resolve_drafts();
+        cfg.resolve_drafts()?;
+        cfg.resolve_embedding_models()?;
         Ok(cfg)
     }
 
-    /// Replaces each tier's `draft` that names another tier of this config by that tier's
-    /// GGUF (done at load, so the draft tier need not be served: `--only t3` keeps t1 as
-    /// t3's draft).
-    pub fn resolve_drafts(&mut self) {
+    /// Resolves each tier's `draft`: a name of another tier of this config becomes that
+    /// tier's GGUF (done at load, so the draft tier need not be served: `--only t3` keeps
+    /// t1 as t3's draft), a pulled model of the pack its cached file; paths stay as given.
+    /// Idempotent. Fails when the draft names a pack model that is not downloaded or is
+    /// not a chat model.
+    pub fn resolve_drafts(&mut self) -> Result<(), crate::models::ModelsError> {
         let models: Vec<(String, PathBuf)> = self
             .tiers
             .iter()
             .map(|t| (t.name.clone(), t.model.clone()))
             .collect();
+        let cache = crate::models::cache_dir();
         for t in &mut self.tiers {
             let Some(d) = &mut t.draft else { continue };
             if let Some((_, path)) = models.iter().find(|(n, _)| Path::new(n) == d.model) {
                 d.model = path.clone();
+            } else {
+                d.model = crate::models::resolve_model(
+                    &format!("{} (its draft)", t.name),
+                    &d.model,
+                    crate::models::pack(),
+                    &cache,
+                )?;
             }
         }
+        Ok(())
+    }
+
+    /// Resolves pack names among the embedding models (`[[embeddings]]` and the router's
+    /// embedder) to their cached files. Idempotent.
+    pub fn resolve_embedding_models(&mut self) -> Result<(), crate::models::ModelsError> {
+        let cache = crate::models::cache_dir();
+        let pack = crate::models::pack();
+        for e in &mut self.embeddings {
+            e.model = crate::models::resolve_embedding_model(&e.name, &e.model, pack, &cache)?;
+        }
+        let r = &mut self.tool_routing.embedder;
+        r.model = crate::models::resolve_embedding_model("tool_routing", &r.model, pack, &cache)?;
+        Ok(())
+    }
+
+    /// Makes `model` (a GGUF path, a pulled pack model or another tier's name) the draft
+    /// of tier `tier`, with the default draft settings; an existing draft keeps its
+    /// settings and takes the new model. Call [`Self::resolve_drafts`] after.
+    pub fn set_draft(&mut self, tier: &str, model: &Path) -> anyhow::Result<()> {
+        let names: Vec<String> = self.tiers.iter().map(|t| t.name.clone()).collect();
+        let Some(t) = self.tiers.iter_mut().find(|t| t.name == tier) else {
+            anyhow::bail!("--draft: no tier named {tier} (tiers: {names:?})");
+        };
+        t.draft
+            .get_or_insert_with(mesh_tiers::DraftConfig::default)
+            .model = model.to_owned();
+        Ok(())
     }
 
     /// Whether this node plays `role`.
@@ -691,9 +786,32 @@ impl NodeConfig {
             self.cascade.model
         );
         let mut names = std::collections::HashSet::new();
+        for e in &self.embeddings {
+            anyhow::ensure!(!e.name.is_empty(), "embeddings: every model needs a name");
+            anyhow::ensure!(
+                names.insert(&e.name),
+                "embedding model {} configured twice",
+                e.name
+            );
+            anyhow::ensure!(
+                e.max_text_tokens >= 2,
+                "embedding model {}: max_text_tokens must be at least 2",
+                e.name
+            );
+            anyhow::ensure!(
+                e.model.exists(),
+                "embedding model {}: model file {} not found",
+                e.name,
+                e.model.display()
+            );
+        }
         for t in &self.tiers {
             t.validate()?;
-            anyhow::ensure!(names.insert(&t.name), "tier {} configured twice", t.name);
+            anyhow::ensure!(
+                names.insert(&t.name),
+                "tier {} configured twice, or also an embedding model's name",
+                t.name
+            );
             anyhow::ensure!(
                 t.model.exists(),
                 "tier {}: model file {} not found",
@@ -744,7 +862,7 @@ mod tests {
              draft = { model = \"b/d.gguf\", k_max = 6, acceptance = \"exact\" }\n",
         )
         .unwrap();
-        cfg.resolve_drafts();
+        cfg.resolve_drafts().unwrap();
         let d3 = cfg.tiers[1].draft.as_ref().unwrap();
         assert_eq!(d3.model, Path::new("a/t1.gguf"));
         assert_eq!((d3.k_init, d3.k_min, d3.k_max), (4, 1, 12));
@@ -762,6 +880,29 @@ mod tests {
             toml::from_str::<NodeConfig>(bad).is_err(),
             "unknown acceptance rule"
         );
+    }
+
+    #[test]
+    fn set_draft_names_another_tier_and_keeps_draft_settings() {
+        let mut cfg: NodeConfig = toml::from_str(
+            "[[tiers]]\nname = \"t1\"\nmodel = \"a/t1.gguf\"\n\
+             [[tiers]]\nname = \"t3\"\nmodel = \"a/t3.gguf\"\n\
+             draft = { model = \"b/d.gguf\", k_max = 6 }\n",
+        )
+        .unwrap();
+        cfg.set_draft("t3", Path::new("t1")).unwrap();
+        cfg.resolve_drafts().unwrap();
+        let d = cfg.tiers[1].draft.as_ref().unwrap();
+        assert_eq!((d.model.as_path(), d.k_max), (Path::new("a/t1.gguf"), 6));
+    }
+
+    #[test]
+    fn set_draft_on_an_unknown_tier_is_refused() {
+        let mut cfg: NodeConfig =
+            toml::from_str("[[tiers]]\nname = \"t1\"\nmodel = \"a/t1.gguf\"\n").unwrap();
+        let e = cfg.set_draft("t9", Path::new("d.gguf")).unwrap_err();
+        assert!(e.to_string().contains("no tier named t9"), "{e}");
+        assert!(cfg.tiers[0].draft.is_none());
     }
 
     #[test]

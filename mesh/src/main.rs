@@ -473,6 +473,16 @@ struct UpArgs {
     // Its own id: `mesh join` flattens these flags beside its `--tiers`.
     #[arg(long = "tier", id = "tier", value_name = "NAME=PATH|MODEL")]
     tiers: Vec<String>,
+    /// Draft model for a tier's speculative decoding, as TIER=PATH.gguf, TIER=MODEL (a
+    /// pulled model of the pack) or TIER=OTHER_TIER; repeatable. The draft must share the
+    /// tier's vocabulary; greedy replies stay the tier's own (llama-server's `-md`).
+    #[arg(long = "draft", value_name = "TIER=PATH|MODEL")]
+    drafts: Vec<String>,
+    /// Embedding model served at `/v1/embeddings` under NAME, as NAME=PATH.gguf or
+    /// NAME=MODEL (a pulled embedding model of the pack); repeatable, added to the
+    /// configured `[[embeddings]]`.
+    #[arg(long = "embedding", value_name = "NAME=PATH|MODEL")]
+    embeddings: Vec<String>,
     /// Only these tier names from the config or the bundled set (comma-separated).
     #[arg(long, value_delimiter = ',')]
     only: Vec<String>,
@@ -584,6 +594,24 @@ fn node_config(a: &UpArgs) -> anyhow::Result<NodeConfig> {
             })
             .collect::<anyhow::Result<_>>()?;
     }
+    for d in &a.drafts {
+        let (tier, model) = d
+            .split_once('=')
+            .ok_or_else(|| anyhow::anyhow!("--draft expects TIER=PATH or TIER=MODEL, got `{d}`"))?;
+        cfg.set_draft(tier, std::path::Path::new(model))?;
+    }
+    cfg.resolve_drafts()?;
+    for e in &a.embeddings {
+        let (name, model) = e.split_once('=').ok_or_else(|| {
+            anyhow::anyhow!("--embedding expects NAME=PATH or NAME=MODEL, got `{e}`")
+        })?;
+        cfg.embeddings.push(mesh::config::EmbeddingModel {
+            name: name.into(),
+            model: model.into(),
+            ..mesh::config::EmbeddingModel::default()
+        });
+    }
+    cfg.resolve_embedding_models()?;
     if !a.only.is_empty() {
         cfg.tiers.retain(|t| a.only.contains(&t.name));
     }
@@ -605,7 +633,12 @@ fn node_config(a: &UpArgs) -> anyhow::Result<NodeConfig> {
         }
         if let Some(b) = a.batch {
             t.n_batch = b;
-            t.prefill_chunk = t.prefill_chunk.min(b.saturating_sub(t.n_seq_max));
+        }
+        if a.batch.is_some() || (t.draft.is_some() && !a.drafts.is_empty()) {
+            // Every running sequence's rows (its token and, drafted, up to k_max drafts)
+            // and one prompt chunk fit each step.
+            let rows = t.n_seq_max * t.draft.as_ref().map_or(1, |d| d.k_max as u32 + 1);
+            t.prefill_chunk = t.prefill_chunk.min(t.n_batch.saturating_sub(rows)).max(1);
         }
         if let Some(d) = &a.kv_dir {
             t.kv_pages.disk_dir = Some(d.join(&t.name));
@@ -1034,7 +1067,7 @@ fn deploy_k8s(a: &K8sArgs) -> anyhow::Result<()> {
         "unknown tier(s) {unknown:?}; configured: {:?}",
         cfg.tiers.iter().map(|t| &t.name).collect::<Vec<_>>()
     );
-    cfg.resolve_drafts();
+    cfg.resolve_drafts()?;
     let tiers: Vec<mesh_tiers::EngineConfig> = cfg
         .tiers
         .iter()

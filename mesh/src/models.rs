@@ -48,10 +48,18 @@ pub enum ModelsError {
         known: String,
     },
     /// A tier names a pack model that is not in the cache; pull it first.
-    #[error("tier {tier}: model {name} is not downloaded; run: mesh models pull {name}")]
+    #[error("{tier}: model {name} is not downloaded; run: mesh models pull {name}")]
     NotDownloaded {
-        /// The tier.
+        /// Who names it: `tier NAME` or `embedding model NAME`.
         tier: String,
+        /// The pack model it names.
+        name: String,
+    },
+    /// An embedding model entry (`[[embeddings]]`, `--embedding`) names a chat model.
+    #[error("embedding model {entry}: {name} is a chat model; serve it as a tier (`mesh models list` shows each model's kind)")]
+    NotEmbedding {
+        /// The entry's name.
+        entry: String,
         /// The pack model it names.
         name: String,
     },
@@ -362,20 +370,57 @@ pub fn resolve_model(
     pack: &Pack,
     dir: &Path,
 ) -> Result<PathBuf, ModelsError> {
+    resolve(
+        model,
+        pack,
+        dir,
+        ModelKind::Chat,
+        &format!("tier {tier}"),
+        |name| ModelsError::NotChat {
+            tier: tier.to_owned(),
+            name,
+        },
+    )
+}
+
+/// The GGUF an embedding model entry's `model` names, as [`resolve_model`] for tiers: the
+/// file itself, a pulled embedding model of the pack, else the path unchanged.
+pub fn resolve_embedding_model(
+    entry: &str,
+    model: &Path,
+    pack: &Pack,
+    dir: &Path,
+) -> Result<PathBuf, ModelsError> {
+    let who = format!("embedding model {entry}");
+    resolve(model, pack, dir, ModelKind::Embedding, &who, |name| {
+        ModelsError::NotEmbedding {
+            entry: entry.to_owned(),
+            name,
+        }
+    })
+}
+
+/// `model` as a file, else as a pack model of kind `want` (`wrong_kind` names the error for
+/// another kind; `who` names the config entry when the model is not pulled).
+fn resolve(
+    model: &Path,
+    pack: &Pack,
+    dir: &Path,
+    want: ModelKind,
+    who: &str,
+    wrong_kind: impl FnOnce(String) -> ModelsError,
+) -> Result<PathBuf, ModelsError> {
     if model.is_file() {
         return Ok(model.to_owned());
     }
     let Some(m) = model.to_str().and_then(|n| pack.get(n).ok()) else {
         return Ok(model.to_owned());
     };
-    if m.kind != ModelKind::Chat {
-        return Err(ModelsError::NotChat {
-            tier: tier.to_owned(),
-            name: m.name.clone(),
-        });
+    if m.kind != want {
+        return Err(wrong_kind(m.name.clone()));
     }
     m.cached(dir).ok_or_else(|| ModelsError::NotDownloaded {
-        tier: tier.to_owned(),
+        tier: who.to_owned(),
         name: m.name.clone(),
     })
 }
@@ -1310,6 +1355,30 @@ mod tests {
         let e = resolve_model("e", Path::new("nomic-embed-text-v1.5"), pack(), dir.path())
             .expect_err("not a chat model");
         assert!(matches!(e, ModelsError::NotChat { .. }), "{e}");
+    }
+
+    #[test]
+    fn an_embedding_entry_resolves_an_embedding_model() {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let m = pack().get("nomic-embed-text-v1.5").expect("in the pack");
+        let f = File::create(m.path_in(dir.path())).expect("create");
+        f.set_len(m.size).expect("sized");
+        let p = resolve_embedding_model("nomic", Path::new(&m.name), pack(), dir.path())
+            .expect("resolved");
+        assert_eq!(p, m.path_in(dir.path()));
+    }
+
+    #[test]
+    fn an_embedding_entry_naming_a_chat_model_is_refused() {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let e = resolve_embedding_model(
+            "e",
+            Path::new("qwen2.5-coder-0.5b-instruct"),
+            pack(),
+            dir.path(),
+        )
+        .expect_err("a chat model");
+        assert!(matches!(e, ModelsError::NotEmbedding { .. }), "{e}");
     }
 
     #[test]

@@ -71,11 +71,44 @@ fn shared() -> String {
                 threads: 2,
                 ..EngineConfig::default()
             }],
+            embeddings: vec![minilm()],
             ..NodeConfig::default()
         };
         cfg.tool_routing.route_above = 0;
         cfg
     })
+}
+
+/// all-MiniLM-L6-v2 (f16, converted by `scripts/setup.sh`) served as `minilm`.
+fn minilm() -> mesh::config::EmbeddingModel {
+    mesh::config::EmbeddingModel {
+        name: "minilm".into(),
+        model: models().join("embed/all-minilm-l6-v2-f16.gguf"),
+        max_text_tokens: 64,
+        ..mesh::config::EmbeddingModel::default()
+    }
+}
+
+async fn embed(base: &str, body: Value) -> (u16, Value) {
+    let (status, _, v) = post(
+        &reqwest::Client::new(),
+        format!("{base}/v1/embeddings"),
+        body,
+    )
+    .await;
+    (status, v)
+}
+
+fn floats(v: &Value) -> Vec<f32> {
+    v.as_array()
+        .expect("an array of floats")
+        .iter()
+        .map(|x| x.as_f64().expect("a float") as f32)
+        .collect()
+}
+
+fn dot(a: &[f32], b: &[f32]) -> f32 {
+    a.iter().zip(b).map(|(x, y)| x * y).sum()
 }
 
 fn chat_url() -> String {
@@ -642,4 +675,148 @@ async fn a_repeated_prompt_reports_its_reused_tokens_as_cached_tokens() {
         .as_u64()
         .unwrap();
     assert!(cached > prompt / 2 && cached < prompt, "{second}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn embeddings_come_one_per_input_in_order() {
+    let (status, v) = embed(
+        &shared(),
+        json!({"model": "minilm", "input": [
+            "What will the weather be like in Paris tomorrow?",
+            "Get the weather forecast for a city and a date.",
+            "Send an email to a colleague."]}),
+    )
+    .await;
+    assert_eq!(status, 200, "{v}");
+    let data = v["data"].as_array().expect("data");
+    let vecs: Vec<Vec<f32>> = data.iter().map(|d| floats(&d["embedding"])).collect();
+    assert_eq!(
+        data.iter()
+            .map(|d| d["index"].as_u64().unwrap())
+            .collect::<Vec<_>>(),
+        [0, 1, 2]
+    );
+    assert!(vecs.iter().all(|e| e.len() == 384));
+    // The question is nearer the forecast tool than the email one: the order held.
+    assert!(dot(&vecs[0], &vecs[1]) > dot(&vecs[0], &vecs[2]) + 0.1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn embeddings_report_the_tokens_read() {
+    let (status, v) = embed(
+        &shared(),
+        json!({"model": "minilm", "input": "hello world"}),
+    )
+    .await;
+    assert_eq!(status, 200, "{v}");
+    // [CLS] hello world [SEP]
+    assert_eq!(v["usage"]["prompt_tokens"], 4, "{v}");
+    assert_eq!(v["usage"]["total_tokens"], 4);
+    assert_eq!(v["model"], "minilm");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn embeddings_in_base64_are_the_same_floats() {
+    let base = shared();
+    let (_, f) = embed(&base, json!({"model": "minilm", "input": "a tool router"})).await;
+    let (status, b) = embed(
+        &base,
+        json!({"model": "minilm", "input": "a tool router", "encoding_format": "base64"}),
+    )
+    .await;
+    assert_eq!(status, 200, "{b}");
+    use base64::Engine as _;
+    let bytes = base64::engine::general_purpose::STANDARD
+        .decode(b["data"][0]["embedding"].as_str().expect("a base64 string"))
+        .expect("base64");
+    let decoded: Vec<f32> = bytes
+        .chunks_exact(4)
+        .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
+        .collect();
+    assert_eq!(decoded, floats(&f["data"][0]["embedding"]));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unknown_embedding_model_is_404() {
+    let (status, v) = embed(&shared(), json!({"model": "t1", "input": "hi"})).await;
+    assert_eq!(status, 404, "{v}");
+    assert_eq!(v["error"]["param"], "model");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_embedding_input_over_the_limit_is_refused_not_cut() {
+    let long = "word ".repeat(100);
+    let (status, v) = embed(&shared(), json!({"model": "minilm", "input": ["ok", long]})).await;
+    assert_eq!(status, 400, "{v}");
+    assert_eq!(v["error"]["param"], "input");
+    let msg = v["error"]["message"].as_str().unwrap();
+    assert!(
+        msg.contains("input 1") && msg.contains("at most 64"),
+        "{msg}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn embedding_models_are_listed_as_such() {
+    let v: Value = reqwest::get(format!("{}/v1/models", shared()))
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    let m = v["data"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|m| m["id"] == "minilm")
+        .expect("minilm listed");
+    assert_eq!(m["meta"]["embedding"], true, "{m}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn embeddings_are_served_again_after_the_actor_crashes() {
+    const TOKEN: &str = "embeddings-crash-test-token";
+    let mut cfg = NodeConfig {
+        listen: "127.0.0.1:0".parse().unwrap(),
+        tiers: vec![EngineConfig {
+            name: "t1".into(),
+            model: models().join("t1-q8_0.gguf"),
+            n_ctx: 1024,
+            n_seq_max: 1,
+            threads: 1,
+            ..EngineConfig::default()
+        }],
+        embeddings: vec![minilm()],
+        fault_token: Some(TOKEN.into()),
+        ..NodeConfig::default()
+    };
+    cfg.tool_routing.route_above = 0;
+    let (base, _stop) = common::in_process(cfg).await;
+    let r = reqwest::Client::new()
+        .post(format!("{base}/v1/debug/crash"))
+        .header("x-mesh-fault-token", TOKEN)
+        .json(&json!({"actor": "embeddings"}))
+        .send()
+        .await
+        .unwrap();
+    assert!(r.status().is_success(), "{}", r.status());
+    // While the supervisor restarts it, calls get 503; then 200.
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    loop {
+        let (status, v) = embed(
+            &base,
+            json!({"model": "minilm", "input": "after the crash"}),
+        )
+        .await;
+        if status == 200 {
+            assert_eq!(floats(&v["data"][0]["embedding"]).len(), 384);
+            break;
+        }
+        assert_eq!(status, 503, "{v}");
+        assert!(
+            std::time::Instant::now() < deadline,
+            "not served again within 30 s"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
 }

@@ -2,7 +2,7 @@
 //! code table. It translates and nothing more: every handler turns a request into a call
 //! on the service layer (`crate::service`), and the answer back into JSON.
 //!
-//! Routes: `POST /v1/chat/completions`, `POST /v1/completions` ([`chat`]);
+//! Routes: `POST /v1/chat/completions`, `POST /v1/completions` ([`chat`]); `POST /v1/embeddings` ([`embeddings`]);
 //! `POST /v1/messages`, `POST /v1/messages/count_tokens` (Anthropic's API, [`messages`]);
 //! `POST /v1/agent/tasks`, `GET /v1/tools` ([`agent`]); `POST /v1/control/tune`,
 //! `GET`/`PUT /v1/control/policy` ([`control`]); `GET`/`POST /v1/control/scale` ([`scale`]); `GET /v1/models`, `GET /v1/cluster`,
@@ -22,6 +22,7 @@ mod auth;
 pub mod chat;
 mod console;
 pub mod control;
+pub mod embeddings;
 pub mod error;
 mod limits;
 pub mod messages;
@@ -85,6 +86,7 @@ pub fn router(state: HttpState) -> Router {
     Router::new()
         .route("/v1/chat/completions", post(chat::chat_completions))
         .route("/v1/completions", post(chat::completions))
+        .route("/v1/embeddings", post(embeddings::embeddings))
         .route("/v1/messages", post(messages::messages))
         .route("/v1/messages/count_tokens", post(messages::count_tokens))
         .route("/v1/agent/tasks", post(agent::create_task))

@@ -54,6 +54,9 @@ pub(crate) async fn models(State(state): State<HttpState>) -> Json<ModelList> {
             data.push(card(&name, json!({"remote": true})));
         }
     }
+    for name in state.service.embedding_models() {
+        data.push(card(name, json!({"embedding": true})));
+    }
     let c = state.service.cascade_policy();
     if c.tiers.iter().all(|t| data.iter().any(|m| &m.id == t)) {
         data.push(card(&c.model, json!({"cascade": c.tiers})));

@@ -5,7 +5,7 @@
 //! start(cfg)
 //!  ├─ policy state (tuner.state_file) ─▶ LivePolicy
 //!  ├─ placement, far memory ─▶ tier configs
-//!  ├─ NodeSupervisor ──▶ kv-store ─▶ engines ─▶ router ─▶ governor    (started in order)
+//!  ├─ NodeSupervisor ──▶ kv-store ─▶ engines ─▶ router ─▶ embeddings ─▶ governor    (started in order)
 //!  ├─ cluster (mesh join): QUIC endpoint, exported actors (tier, kv-store, router), peers
 //!  │    └─ NodeSupervisor ──▶ membership
 //!  ├─ service layer ─▶ NodeSupervisor ──▶ tuner
@@ -28,6 +28,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use futures::future::BoxFuture;
+use mesh_actors::embeddings::{EmbeddingsActor, EmbeddingsArgs, EmbeddingsMsg};
 use mesh_actors::engines::{Engines, EnginesActor, EnginesArgs, EnginesMsg};
 use mesh_actors::governor::{GovernorActor, GovernorMsg, GovernorStats};
 use mesh_actors::node::{ChildSpec, NodeMsg, NodeSupervisor};
@@ -106,6 +107,7 @@ struct Injector {
     membership: Option<Arc<ActorSlot<mesh_actors::cluster::MembershipMsg>>>,
     store: Arc<ActorSlot<StoreMsg>>,
     router: Option<Arc<ActorSlot<RouterMsg>>>,
+    embeddings: Option<Arc<ActorSlot<EmbeddingsMsg>>>,
     governor: Arc<ActorSlot<GovernorMsg>>,
     tuner: Arc<ActorSlot<TunerMsg>>,
     planner: Option<Arc<ActorSlot<PlannerMsg>>>,
@@ -120,6 +122,9 @@ impl FaultInjector for Injector {
             .collect();
         if self.router.is_some() {
             t.push("router".into());
+        }
+        if self.embeddings.is_some() {
+            t.push("embeddings".into());
         }
         if self.membership.is_some() {
             t.push("membership".into());
@@ -152,6 +157,10 @@ impl FaultInjector for Injector {
                 Some(s) => crash(s, RouterMsg::Crash),
                 None => Err("tool routing is off on this node".into()),
             },
+            "embeddings" => match &self.embeddings {
+                Some(s) => crash(s, EmbeddingsMsg::Crash),
+                None => Err("this node serves no embedding model".into()),
+            },
             t => match t.strip_prefix("tier:") {
                 Some(tier) => {
                     let (engines, tier) = (self.engines.clone(), tier.to_owned());
@@ -182,7 +191,8 @@ pub async fn start(
     mut cfg: NodeConfig,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> anyhow::Result<Running> {
-    cfg.resolve_drafts();
+    cfg.resolve_drafts()?;
+    cfg.resolve_embedding_models()?;
     cfg.validate()?;
     let keys = load_keys(&cfg)?;
     let state = tuner::open_state(cfg.tuner.state_file.as_deref(), start_policy(&cfg))
@@ -266,6 +276,24 @@ pub async fn start(
             slot.clone(),
         ));
     }
+    let embeddings = (!cfg.embeddings.is_empty()).then(|| {
+        let slot = Arc::<ActorSlot<EmbeddingsMsg>>::default();
+        children.push(ChildSpec::new(
+            "embeddings",
+            EmbeddingsActor,
+            EmbeddingsArgs {
+                models: cfg
+                    .embeddings
+                    .iter()
+                    .map(|e| (e.name.clone(), e.embedder()))
+                    .collect(),
+                slot: slot.clone(),
+            },
+            slot.clone(),
+        ));
+        let names = cfg.embeddings.iter().map(|e| e.name.clone()).collect();
+        (slot, names)
+    });
     children.push(ChildSpec::new(
         "governor",
         GovernorActor,
@@ -410,6 +438,7 @@ pub async fn start(
                 .as_ref()
                 .map(|_| (planner_slot.clone(), planner_view.clone())),
             supervisor: Some(supervisor.clone()),
+            embeddings: embeddings.clone(),
         },
     )
     .with_agent(agent)
@@ -474,6 +503,7 @@ pub async fn start(
                 membership: cluster.as_ref().map(|c| c.membership().clone()),
                 store: pages.slot().clone(),
                 router: router.clone(),
+                embeddings: embeddings.as_ref().map(|(slot, _)| slot.clone()),
                 governor,
                 tuner: tuner_slot.clone(),
                 planner: cluster.as_ref().map(|_| planner_slot.clone()),

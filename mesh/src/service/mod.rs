@@ -14,6 +14,7 @@
 //!   role (quantization policy).
 //! - [`cascade`]: the tier cascade (`model: "cascade"`).
 //! - [`dispatch`]: which node runs a request; failover; prefix pages pulled from peers.
+//! - [`embeddings`]: `/v1/embeddings`, through the embeddings actor.
 //! - [`agent`]: the server-side agent loop over the node's MCP tools.
 //! - [`policy`]: the live policy every request reads.
 //! - [`tuner`]: what the tuner actor needs of the node (probe requests, typed counters).
@@ -25,6 +26,7 @@ pub mod cascade;
 pub mod chat;
 pub mod control;
 pub mod dispatch;
+pub mod embeddings;
 mod error;
 pub mod policy;
 mod stream;
@@ -34,6 +36,7 @@ pub mod types;
 use std::sync::Arc;
 use std::time::Duration;
 
+use mesh_actors::embeddings::EmbeddingsMsg;
 use mesh_actors::engines::Engines;
 use mesh_actors::governor::GovernorMsg;
 use mesh_actors::node::NodeMsg;
@@ -85,6 +88,9 @@ pub struct Actors {
     pub planner: Option<(Arc<ActorSlot<PlannerMsg>>, Arc<PlannerView>)>,
     /// The node supervisor (its children and their restarts).
     pub supervisor: Option<ActorRef<NodeMsg>>,
+    /// The embeddings actor and the names of the models it serves (`None`: the node
+    /// serves no embedding model).
+    pub embeddings: Option<(Arc<ActorSlot<EmbeddingsMsg>>, Vec<String>)>,
 }
 
 /// Held until a response ends: the concurrency permit, a variant engine's lease.
