@@ -108,9 +108,11 @@ def sample(items, n):
     return [items[int(i * step)] for i in range(n)]
 
 
-def ask(url, model, q, timeout):
+def ask(url, model, q, timeout, logprobs=False):
     body = {"model": model, "messages": q["question"][0], "tools": tools_of(q["function"]),
             "temperature": 0, "max_tokens": 512}
+    if logprobs:
+        body.update(logprobs=True, top_logprobs=2)
     req = urllib.request.Request(url + "/v1/chat/completions", data=json.dumps(body).encode(),
                                  headers={"content-type": "application/json", "authorization": "Bearer none"})
     t0 = time.time()
@@ -139,6 +141,8 @@ def main():
     ap.add_argument("--split", choices=["all", "tune", "heldout"], default="all",
                     help="the sample's even (tune) or odd (heldout) positions")
     ap.add_argument("--timeout", type=float, default=600)
+    ap.add_argument("--logprobs", action="store_true",
+                    help="ask for each token's two likeliest and keep them (token, logprob, runner-up's)")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     checker, python = load_checker(args.bfcl)
@@ -157,7 +161,7 @@ def main():
             row = {"id": q["id"], "category": cat, "servers": {}}
             for name, url, model in servers:
                 try:
-                    resp, secs = ask(url, model, q, args.timeout)
+                    resp, secs = ask(url, model, q, args.timeout, args.logprobs)
                     calls = decoded(resp)
                     if calls is None or not calls:
                         ok, why = False, "no parsable tool call"
@@ -169,6 +173,11 @@ def main():
                         "prompt_tokens": resp.get("usage", {}).get("prompt_tokens"),
                         "completion_tokens": resp.get("usage", {}).get("completion_tokens"),
                         "mesh": resp.get("mesh"),
+                        "logprobs": [[t["token"], t["logprob"],
+                                      (t.get("top_logprobs") or [{}, {}])[1:2][0].get("logprob")
+                                      if len(t.get("top_logprobs") or []) > 1 else None]
+                                     for t in ((resp["choices"][0].get("logprobs") or {}).get("content") or [])]
+                        if args.logprobs else None,
                         "content": (resp["choices"][0]["message"].get("content") or "")[:200]}
                 except Exception as e:  # a failed request scores 0 and is noted
                     row["servers"][name] = {"ok": False, "why": f"{type(e).__name__}: {e}"[:200]}

@@ -27,7 +27,7 @@ THREADS="${MESH_EVAL_THREADS:-0}"
 MODEL="${MESH_EVAL_MODEL:-models/embed/minilm-l6-tools-f16.gguf}"
 QUERY_PREFIX="${MESH_EVAL_QUERY_PREFIX:-}"
 DOCUMENT_PREFIX="${MESH_EVAL_DOCUMENT_PREFIX:-}"
-BIN=target/release/examples
+BIN="${CARGO_TARGET_DIR:-target}/release/examples"
 
 for ex in bfcl_router multistep_router livemcp_router; do
     if [ ! -x "$BIN/$ex" ]; then

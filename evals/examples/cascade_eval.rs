@@ -369,6 +369,7 @@ fn cascade(
                 Output {
                     parsed: &parsed,
                     margins: &r.margins,
+                    texts: &[],
                     truncated: r.truncated,
                 },
                 &offered,

@@ -121,7 +121,8 @@ async function loadModels() {
   const select = $("model");
   const current = select.value;
   select.replaceChildren();
-  for (const m of v.data) {
+  // Embedding models answer /v1/embeddings, not chat.
+  for (const m of v.data.filter((m) => !(m.meta && m.meta.embedding))) {
     const remote = m.meta && m.meta.remote ? " (peer)" : "";
     const cascade = m.meta && m.meta.cascade ? " (" + m.meta.cascade.join(" → ") + ")" : "";
     select.append(el("option", { value: m.id, text: m.id + remote + cascade }));

@@ -12,9 +12,14 @@
 //!    the think block is closed, and no call names a tool the prompt did not offer;
 //! 2. the router's confidence (top-1 score of the tool router) when the agent
 //!    layer supplies one: below `min_router_score` the first tier is skipped;
-//! 3. the smallest top-1/top-2 logit margin over the generated tokens (excluding
-//!    the end token): a tier that was close to saying something else at any token
-//!    of its answer is not trusted with it.
+//! 3. the smallest top-1/top-2 logit margin over the generated tokens: a tier that was
+//!    close to saying something else at any token of its answer is not trusted with it.
+//!    Over every token (`margin_over = "all"`, the default, what the bundled tiers'
+//!    thresholds were chosen with) or over the content tokens only (`"content"`: not
+//!    format tokens such as punctuation, quotes, braces, fences and chat markers, whose
+//!    close calls, a bare JSON call or a fenced one, say nothing about the answer; on the
+//!    Qwen2.5-Coder pair this is what made the cascade cheaper than its large tier,
+//!    docs/cascade.md).
 
 use serde::{Deserialize, Serialize};
 
@@ -36,6 +41,28 @@ pub struct CascadePolicy {
     pub require_valid_calls: bool,
     /// With a router confidence below this, start at the second tier.
     pub min_router_score: f32,
+    /// Which tokens' margins count.
+    pub margin_over: MarginOver,
+}
+
+/// Which generated tokens the margin signal reads.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum MarginOver {
+    /// Every generated token, the end token included.
+    #[default]
+    All,
+    /// Tokens that are not format ([`is_format_token`]).
+    Content,
+}
+
+/// A token that only shapes the answer: whitespace and JSON/fence punctuation only
+/// (`{"`, `"}}`, `":`, a code fence), or a chat marker (`<|im_end|>`, `<tool_call>`).
+pub fn is_format_token(text: &str) -> bool {
+    let t = text.trim();
+    t.chars()
+        .all(|c| matches!(c, '{' | '}' | '[' | ']' | '"' | '\'' | ':' | ',' | '`'))
+        || (t.starts_with('<') && t.ends_with('>') && !t.contains(' '))
 }
 
 impl Default for CascadePolicy {
@@ -49,6 +76,7 @@ impl Default for CascadePolicy {
             min_margin: vec![0.25, 0.25],
             require_valid_calls: true,
             min_router_score: 0.0,
+            margin_over: MarginOver::All,
         }
     }
 }
@@ -144,6 +172,9 @@ pub struct Output<'a> {
     /// Margin of each generated token, the end token included as the last entry when
     /// the generation stopped on it.
     pub margins: &'a [f32],
+    /// Text of each generated token, as `margins` (for `MarginOver::Content`; empty reads
+    /// every margin).
+    pub texts: &'a [&'a str],
     /// The generation ended on its token limit.
     pub truncated: bool,
 }
@@ -155,7 +186,14 @@ pub fn assess(
     out: Output<'_>,
     offered: &[&str],
 ) -> Assessment {
-    let min_margin = out.margins.iter().copied().fold(f32::INFINITY, f32::min);
+    let content = policy.margin_over == MarginOver::Content && out.texts.len() == out.margins.len();
+    let min_margin = out
+        .margins
+        .iter()
+        .enumerate()
+        .filter(|&(i, _)| !content || !is_format_token(out.texts[i]))
+        .map(|(_, &m)| m)
+        .fold(f32::INFINITY, f32::min);
     let last = index + 1 >= policy.tiers.len();
     let verdict = if last {
         Verdict::LastTier
@@ -266,9 +304,61 @@ mod tests {
         let out = Output {
             parsed: &parsed,
             margins,
+            texts: &[],
             truncated: false,
         };
         assess(p, i, out, offered)
+    }
+
+    #[test]
+    fn format_tokens_are_punctuation_fences_and_markers() {
+        for t in [
+            "{\"",
+            "\"}}",
+            "\":",
+            " \"",
+            "```",
+            "\n",
+            "<|im_end|>",
+            "<tool_call>",
+            "\"}}\n",
+        ] {
+            assert!(is_format_token(t), "{t:?}");
+        }
+        for t in ["get", "_weather", "Paris", " 42", "name", "< 3 >"] {
+            assert!(!is_format_token(t), "{t:?}");
+        }
+    }
+
+    #[test]
+    fn content_margins_skip_close_format_choices() {
+        let parsed = chat::parse_output(CALL);
+        let texts = ["{\"", "name", "Oslo", "\"}}", "<|im_end|>"];
+        let margins = [0.2, 9.0, 3.0, 0.4, 8.0];
+        let all = CascadePolicy {
+            min_margin: vec![1.0],
+            ..CascadePolicy::default()
+        };
+        let content = CascadePolicy {
+            margin_over: MarginOver::Content,
+            ..all.clone()
+        };
+        let out = |p: &CascadePolicy| {
+            assess(
+                p,
+                0,
+                Output {
+                    parsed: &parsed,
+                    margins: &margins,
+                    texts: &texts,
+                    truncated: false,
+                },
+                &["get_weather"],
+            )
+        };
+        assert_eq!(out(&all).verdict, Verdict::LowMargin);
+        let a = out(&content);
+        assert_eq!((a.verdict, a.min_margin), (Verdict::Accept, 3.0));
     }
 
     const CALL: &str =
@@ -327,6 +417,7 @@ mod tests {
             Output {
                 parsed: &chat::parse_output("ok"),
                 margins: &m,
+                texts: &[],
                 truncated: true,
             },
             &[],

@@ -95,9 +95,18 @@ impl Service {
                 info_span!("cascade.tier", mesh.tier = %tier, mesh.verdict = tracing::field::Empty),
             )
             .await?;
+            let texts: Vec<&str> = c
+                .events
+                .iter()
+                .filter_map(|e| match e {
+                    TokenEvent::Token { text, .. } => Some(text.as_str()),
+                    _ => None,
+                })
+                .collect();
             let out = cascade::Output {
                 parsed: &c.output,
                 margins: &c.margins,
+                texts: &texts,
                 truncated: c.finish != FinishReason::Stop,
             };
             let a = cascade::assess(policy, i, out, &offered);
