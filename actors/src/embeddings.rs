@@ -133,20 +133,9 @@ impl Actor for EmbeddingsActor {
                     let _ = reply.send(Err(EmbedFailure::UnknownModel { model, served }));
                     return Ok(());
                 };
-                // The port moves into the worker's callback; on an early error it comes
-                // back here through the shared cell.
-                let port = Arc::new(std::sync::Mutex::new(Some(reply)));
-                let worker_port = port.clone();
-                let queued = e.submit_exact(&texts, move |r| {
-                    if let Some(p) = worker_port.lock().ok().and_then(|mut g| g.take()) {
-                        let _ = p.send(r.map_err(failure));
-                    }
+                e.submit_exact(&texts, move |r| {
+                    let _ = reply.send(r.map_err(failure));
                 });
-                if let Err(err) = queued {
-                    if let Some(p) = port.lock().ok().and_then(|mut g| g.take()) {
-                        let _ = p.send(Err(failure(err)));
-                    }
-                }
             }
             EmbeddingsMsg::Crash => panic!("embeddings: crash injected"),
         }

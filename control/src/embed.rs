@@ -344,15 +344,14 @@ impl Embedder {
 
     /// Queues `texts` as given (no prefix, no cache, never cut: a text over
     /// [`max_text_tokens`](Self::max_text_tokens) is refused with
-    /// [`ControlError::TextTooLong`]) and returns at once; the worker thread calls `done`
-    /// with the vectors (keep it short: the next job waits for it). Errors found before
-    /// queueing (a text too long or without tokens, a stopped worker) are returned here and
-    /// `done` is not called.
+    /// [`ControlError::TextTooLong`]) and returns at once. `done` gets the vectors or the
+    /// error exactly once: on the worker thread after the job (keep it short: the next job
+    /// waits for it), or here when the input is refused or the worker has stopped.
     pub fn submit_exact<S: AsRef<str>>(
         &self,
         texts: &[S],
         done: impl FnOnce(Result<Embedded, ControlError>) + Send + 'static,
-    ) -> Result<(), ControlError> {
+    ) {
         let mut tokens = Vec::with_capacity(texts.len());
         for (index, t) in texts.iter().enumerate() {
             let toks = self
@@ -360,24 +359,25 @@ impl Embedder {
                 .vocab()
                 .tokenize(t.as_ref().as_bytes(), true, false);
             if toks.is_empty() {
-                return Err(ControlError::Embed(format!("input {index} has no tokens")));
+                return done(Err(ControlError::Embed(format!(
+                    "input {index} has no tokens"
+                ))));
             }
             if toks.len() > self.max_text_tokens {
-                return Err(ControlError::TextTooLong {
+                return done(Err(ControlError::TextTooLong {
                     index,
                     tokens: toks.len(),
                     max: self.max_text_tokens,
-                });
+                }));
             }
             tokens.push(toks);
         }
         let count = tokens.iter().map(Vec::len).sum();
         if tokens.is_empty() {
-            done(Ok(Embedded {
+            return done(Ok(Embedded {
                 vectors: Vec::new(),
                 tokens: 0,
             }));
-            return Ok(());
         }
         let dim = self.dim;
         let reply = Reply::Callback(Box::new(move |r: Result<Vec<f32>, ControlError>| {
@@ -386,14 +386,17 @@ impl Embedder {
                 tokens: count,
             }))
         }));
-        self.tx
-            .as_ref()
-            .ok_or(ControlError::EmbedderStopped)?
-            .send(Job {
-                texts: tokens,
-                reply,
-            })
-            .map_err(|_| ControlError::EmbedderStopped)
+        let job = Job {
+            texts: tokens,
+            reply,
+        };
+        let unsent = match &self.tx {
+            Some(tx) => tx.send(job).err().map(|e| e.0),
+            None => Some(job),
+        };
+        if let Some(job) = unsent {
+            job.reply.send(Err(ControlError::EmbedderStopped));
+        }
     }
 
     /// `text` with the prefix of its role.
