@@ -217,6 +217,7 @@ pub fn to_call(
         reasoning_budget: req
             .reasoning_budget
             .map(|b| b.min(u32::MAX as usize) as u32),
+        thinking_open: req.thinking_open,
     }
 }
 
@@ -240,6 +241,7 @@ pub fn from_call(c: crate::wire::GenerateCall) -> GenerateRequest {
         request_id: c.request_id,
         cache_scope: c.cache_scope,
         reasoning_budget: c.reasoning_budget.map(|b| b as usize),
+        thinking_open: c.thinking_open,
         // Not on the wire: a forwarded request drafts as the serving tier is configured.
         draft_max: None,
     }

@@ -195,6 +195,8 @@ pub struct GenerateCall {
     pub cache_scope: String,
     /// Reasoning-token budget (`None` = no cap).
     pub reasoning_budget: Option<u32>,
+    /// The prompt ends inside an open think span.
+    pub thinking_open: bool,
     /// What the request is for, as the quantization policy names it (`tool_calls`,
     /// `reasoning`, `summaries`); the callee runs it on the engine its own policy gives
     /// that role on the tier. Empty: the tier's own engine.

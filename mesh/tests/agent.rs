@@ -175,6 +175,32 @@ async fn agent_task_calls_a_real_mcp_tool_and_repeats_hit_the_cache() {
     );
 }
 
+/// A task's usage says how many of its prompt tokens came from KV the tier kept, as chat's
+/// does: the same task again starts from the first one's prompt.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_task_reports_the_prompt_tokens_reused_from_kept_kv() {
+    let dir = tempfile::tempdir().unwrap();
+    let (base, _stop) = node(&dir.path().canonicalize().unwrap()).await;
+    let c = reqwest::Client::new();
+    let body = json!({
+        "model": "t1",
+        // Long enough that its prefix fills whole KV pages.
+        "input": format!("{} Which folders may you read?", "The notes are kept in one folder. ".repeat(30)),
+        "tools": ["list_allowed_directories"],
+        "max_turns": 1,
+        "max_tokens": 8,
+    });
+    let (status, first) = task(&c, &base, body.clone()).await;
+    assert_eq!(status, 200, "{first}");
+    let (status, again) = task(&c, &base, body).await;
+    assert_eq!(status, 200, "{again}");
+    let prompt = again["usage"]["prompt_tokens"].as_u64().unwrap();
+    let cached = again["usage"]["prompt_tokens_details"]["cached_tokens"]
+        .as_u64()
+        .unwrap();
+    assert!(cached > prompt / 2 && cached < prompt, "{again}");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn bad_agent_tasks_get_400_with_a_reason_and_streaming_reports_progress() {
     let dir = tempfile::tempdir().unwrap();

@@ -52,8 +52,11 @@ fn model_alias() -> PathBuf {
         .clone()
 }
 
-/// One node with the model for the whole test binary (2 threads, 2 slots), and the same
-/// model again as `qwen05-drafted`, drafted by itself.
+/// One node with the model for the whole test binary (2 threads, 2 slots), the same
+/// model again as `qwen05-drafted`, drafted by itself, and as `qwen05-think`, prompted with
+/// QwQ-32B's template (the Qwen2.5 family's reasoning model), which opens a `<think>` span
+/// at the start of every reply: a think span on a vocabulary that spells the markers in
+/// several tokens.
 fn node() -> String {
     static NODE: OnceLock<String> = OnceLock::new();
     common::shared_node(&NODE, || mesh::config::NodeConfig {
@@ -77,6 +80,20 @@ fn node() -> String {
                     model: model(),
                     ..mesh_tiers::DraftConfig::default()
                 }),
+                ..mesh_tiers::EngineConfig::default()
+            },
+            mesh_tiers::EngineConfig {
+                name: "qwen05-think".into(),
+                model: model(),
+                n_ctx: 2048,
+                n_seq_max: 1,
+                threads: 2,
+                chat_template: Some(
+                    std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+                        .join("../tiers/tests/templates/Qwen-QwQ-32B.jinja")
+                        .to_string_lossy()
+                        .into_owned(),
+                ),
                 ..mesh_tiers::EngineConfig::default()
             },
         ],
@@ -219,9 +236,14 @@ async fn greedy(tier: &str, question: &str, tools: bool) -> serde_json::Value {
             "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
                            "required": ["city"]}}}]);
     }
+    chat(&body).await
+}
+
+/// A chat completion on the node, which must answer 200.
+async fn chat(body: &serde_json::Value) -> serde_json::Value {
     let r = reqwest::Client::new()
         .post(format!("{}/v1/chat/completions", node()))
-        .json(&body)
+        .json(body)
         .send()
         .await
         .expect("the node answers");
@@ -269,5 +291,47 @@ async fn the_drafted_tier_reports_its_accepted_drafts() {
     assert!(
         accepted > 0 && accepted * 10 >= drafted * 8,
         "{accepted} of {drafted} drafts accepted"
+    );
+}
+
+/// A greedy reply of `qwen05-think`, with a reasoning budget when one is given.
+async fn thinking(budget: Option<usize>) -> serde_json::Value {
+    let mut body = serde_json::json!({
+        "model": "qwen05-think",
+        "temperature": 0,
+        "max_tokens": 160,
+        "messages": [{"role": "user", "content":
+            "A train leaves at 9:40 and the trip takes 2 hours 35 minutes. When does it arrive? Think it through."}],
+    });
+    if let Some(b) = budget {
+        body["reasoning_budget"] = serde_json::json!(b);
+    }
+    chat(&body).await
+}
+
+fn reasoning_tokens(v: &serde_json::Value) -> u64 {
+    v["usage"]["completion_tokens_details"]["reasoning_tokens"]
+        .as_u64()
+        .expect("reasoning_tokens")
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_reasoning_budget_closes_a_think_span_spelled_in_several_tokens() {
+    let free = thinking(None).await;
+    assert!(
+        reasoning_tokens(&free) > 24,
+        "the uncapped span is longer than the budget: {free}"
+    );
+    let capped = thinking(Some(24)).await;
+    assert_eq!(reasoning_tokens(&capped), 24, "{capped}");
+    assert_eq!(capped["mesh"]["reasoning_capped"], true, "{capped}");
+    let m = &capped["choices"][0]["message"];
+    assert!(
+        !m["reasoning_content"].as_str().unwrap_or("").is_empty(),
+        "{capped}"
+    );
+    assert!(
+        !m["content"].as_str().unwrap_or("").contains("</think>"),
+        "the closed span is not in the answer: {capped}"
     );
 }

@@ -21,6 +21,7 @@ use crate::format::{ChatFormat, ChatInput, FormatError, Rendered, SpecialTokens,
 use crate::kvcache::{KvCache, PromptPages, ReuseStats};
 use crate::markers::Markers;
 use crate::plan::{self, SlotView, Work};
+use crate::reasoning::{self, SpanState};
 use crate::sampler::{allowed_argmax, top2, DraftSampler, RequestSampler};
 use crate::speculative;
 use crate::stop::StopMatcher;
@@ -331,7 +332,7 @@ impl Engine {
                     });
                     let _ = ready_tx.send(Ok(handles));
                     let mut l = Loop::new(&model, ctx, &cfg, &info, stats, kv, draft);
-                    l.think = think.as_ref().and_then(|t| think_tokens(&model, t));
+                    l.think = think.as_ref().map(|t| Think::new(&model, t));
                     l.hw = hw;
                     l.run(rx);
                 })
@@ -682,9 +683,8 @@ struct Slot {
     pending: Option<LlamaToken>,
     generated: usize,
     utf8: Vec<u8>,
-    /// Inside `<think>` (reasoning governor state).
-    thinking: bool,
-    reasoning_tokens: usize,
+    /// Where the sequence stands relative to its think span (reasoning governor state).
+    span: SpanState,
     reasoning_capped: bool,
     /// Draft state when this sequence is decoded speculatively.
     spec: Option<SpecSeq>,
@@ -832,8 +832,8 @@ struct Loop<'m> {
     kv: Option<KvCache>,
     /// Pages some running sequence will publish when its prompt is prefilled (refcounts).
     pending: std::collections::HashMap<mesh_kvstore::PageId, usize>,
-    /// `<think>` and `</think>` when each is one token of this vocabulary.
-    think: Option<(LlamaToken, LlamaToken)>,
+    /// The reasoning markers, when the tier's format has them (the governor's).
+    think: Option<Think>,
     /// The draft model, when sequences are decoded speculatively.
     draft: Option<Draft<'m>>,
     /// Hardware counters of this thread and llama.cpp's, when the kernel gives them.
@@ -1055,6 +1055,7 @@ impl<'m> Loop<'m> {
                 drafted: 0,
                 accepted: 0,
             });
+            let span = SpanState::new(self.think.is_some() && p.req.thinking_open);
             self.slots[seq] = Some(Slot {
                 pages,
                 req: p.req,
@@ -1068,8 +1069,7 @@ impl<'m> Loop<'m> {
                 pending: None,
                 generated: 0,
                 utf8: Vec::new(),
-                thinking: false,
-                reasoning_tokens: 0,
+                span,
                 reasoning_capped: false,
                 spec,
                 out: Vec::new(),
@@ -1631,10 +1631,12 @@ impl<'m> Loop<'m> {
         let margin = margin_of(first, second);
         let spent = self.budget_spent(slot);
         let s = self.slots[slot].as_mut().expect("sampled slot exists");
-        let tok = match self.think {
+        let tok = match &self.think {
             // Reasoning governor: the budget is spent, so close the think block in place
-            // of whatever the model would have said next.
-            Some((_, close)) if spent => {
+            // of whatever the model would have said next (one token of the close marker
+            // per step when the vocabulary spells it in several).
+            Some(t) if spent => {
+                let close = LlamaToken(reasoning::next_close_token(&s.out, &t.close_tokens));
                 s.sampler.accept(close);
                 s.reasoning_capped = true;
                 self.stats.reasoning_capped.fetch_add(1, Ordering::Relaxed);
@@ -1695,11 +1697,9 @@ impl<'m> Loop<'m> {
     /// Whether the reasoning governor closes the think block of `slot` at its next token.
     fn budget_spent(&self, slot: usize) -> bool {
         let s = self.slots[slot].as_ref().expect("slot exists");
-        self.think.is_some()
-            && s.thinking
-            && s.req
-                .reasoning_budget
-                .is_some_and(|b| s.reasoning_tokens >= b)
+        self.think.as_ref().is_some_and(|t| {
+            reasoning::budget_spent(&s.span, s.req.reasoning_budget, t.close_tokens.len())
+        })
     }
 
     /// Appends a chosen token to its sequence: reasoning state, text, stop strings, the
@@ -1720,13 +1720,12 @@ impl<'m> Loop<'m> {
         if let Some(sp) = &mut s.spec {
             sp.out.push(tok.0);
         }
-        if let Some((open, close)) = self.think {
-            if tok == open {
-                s.thinking = true;
-            } else if tok == close {
-                s.thinking = false;
-            } else if s.thinking {
-                s.reasoning_tokens += 1;
+        if let Some(t) = &self.think {
+            let before = s.span.tokens;
+            let piece = model.vocab().token_to_piece(tok, true, None);
+            s.span
+                .push(&String::from_utf8_lossy(&piece), &t.open, &t.close);
+            if s.span.tokens > before {
                 self.stats.reasoning_tokens.fetch_add(1, Ordering::Relaxed);
             }
         }
@@ -1773,7 +1772,7 @@ impl<'m> Loop<'m> {
                 let usage = Usage {
                     prompt_tokens: s.req.prompt.len(),
                     completion_tokens: s.generated,
-                    reasoning_tokens: s.reasoning_tokens,
+                    reasoning_tokens: s.span.tokens,
                     reasoning_capped: s.reasoning_capped,
                     draft_tokens: s.spec.as_ref().map_or(0, |sp| sp.drafted),
                     draft_accepted: s.spec.as_ref().map_or(0, |sp| sp.accepted),
@@ -1797,13 +1796,29 @@ impl<'m> Loop<'m> {
     }
 }
 
-/// The reasoning markers as token ids, when the vocabulary has each as one token.
-fn think_tokens(model: &LlamaModel, t: &ThinkMarkers) -> Option<(LlamaToken, LlamaToken)> {
-    let one = |s: &str| match model.vocab().tokenize(s.as_bytes(), false, true)[..] {
-        [t] => Some(t),
-        _ => None,
-    };
-    Some((one(&t.open)?, one(&t.close)?))
+/// The reasoning markers as the governor uses them: their text, found in what a sequence
+/// writes however the model split it into tokens, and the close marker's tokenization,
+/// which the governor writes when a budget is spent.
+struct Think {
+    open: String,
+    close: String,
+    close_tokens: Vec<i32>,
+}
+
+impl Think {
+    fn new(model: &LlamaModel, t: &ThinkMarkers) -> Self {
+        let close_tokens = model
+            .vocab()
+            .tokenize(t.close.as_bytes(), false, true)
+            .iter()
+            .map(|t| t.0)
+            .collect();
+        Self {
+            open: t.open.clone(),
+            close: t.close.clone(),
+            close_tokens,
+        }
+    }
 }
 
 /// Whether a GGUF's metadata (`meta`: key → value as text) describes an embedding model,

@@ -41,6 +41,7 @@ pub mod kvcache;
 pub mod markers;
 pub mod plan;
 pub mod quantize;
+pub mod reasoning;
 mod request;
 mod sampler;
 mod shape;

@@ -56,8 +56,12 @@ pub struct GenerateRequest {
     pub cache_scope: String,
     /// Reasoning governor: at most this many tokens inside `<think>`; when they are
     /// spent the engine emits `</think>` itself and the model goes on to its answer.
-    /// `None` = no cap. Needs a model with single-token think markers.
+    /// `None` = no cap. Needs a tier whose format has think markers (one token each or
+    /// several).
     pub reasoning_budget: Option<usize>,
+    /// The prompt ends inside an open think span (the template opened it, as QwQ's and
+    /// DeepSeek-R1's do): the reply starts with reasoning, which the budget counts.
+    pub thinking_open: bool,
     /// Speculative decoding: at most this many drafts per round for this request (the
     /// policy's `draft_k_max`), below the tier's own `draft.k_max`. `None` = the tier's.
     pub draft_max: Option<usize>,

@@ -88,11 +88,7 @@ fn message_json(m: &AgentMessage) -> Value {
 /// The task as the API answers it.
 fn task_json(t: &TaskOutcome) -> Value {
     let mut v = json!({"id": t.id, "object": "agent.task", "model": t.model, "status": t.status.as_str(),
-    "output": t.output, "turns": t.turns, "usage": {
-        "prompt_tokens": t.usage.prompt_tokens,
-        "completion_tokens": t.usage.completion_tokens,
-        "total_tokens": OutUsage::from(t.usage).total_tokens,
-    }});
+    "output": t.output, "turns": t.turns, "usage": OutUsage::from(t.usage)});
     if let Some(e) = &t.error {
         v["error"] = json!(e);
     }

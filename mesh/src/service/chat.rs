@@ -598,6 +598,7 @@ impl Service {
             request_id: String::new(),
             cache_scope: p.scope.clone(),
             reasoning_budget,
+            thinking_open: tp.parse.thinking_open,
             draft_max: Some(policy.draft_k_max),
         })
     }
@@ -806,6 +807,7 @@ impl Service {
                     retry.req.grammar =
                         Some(grammar::text_answer(&spec, tp.parse.thinking_open).grammar);
                     retry.req.prompt = tp.tokens;
+                    retry.req.thinking_open = tp.parse.thinking_open;
                     retry.req.cache_scope = p.scope;
                     service.submit(target, &retry, deadline).await
                 })
