@@ -37,7 +37,8 @@ import ggufw  # noqa: E402
 
 @dataclass(frozen=True)
 class Shape:
-    """Hyper-parameters of a llama-architecture model, as in its published config.json."""
+    """Hyper-parameters of a llama- or qwen2-architecture model, as in its published
+    config.json (qwen2 is llama's graph with biases on the q, k and v projections)."""
 
     source: str  # the model whose shape this is
     vocab: int
@@ -50,6 +51,19 @@ class Shape:
     rope_base: float
     eps: float
     tied: bool  # output projection shares token_embd (no output.weight)
+    arch: str = "llama"  # llama.cpp's architecture name: "llama" or "qwen2"
+
+    @property
+    def qkv_bias(self) -> bool:
+        return self.arch == "qwen2"
+
+    def biases(self, layers: int) -> list[tuple[str, int]]:
+        """(name, length) of every bias vector (qwen2: q, k and v)."""
+        if not self.qkv_bias:
+            return []
+        hd = self.dim // self.heads
+        return [(f"blk.{i}.{p}.bias", n * hd) for i in range(layers)
+                for p, n in (("attn_q", self.heads), ("attn_k", self.kv_heads), ("attn_v", self.kv_heads))]
 
     def matrices(self, layers: int) -> list[tuple[str, tuple[int, int]]]:
         """(name, numpy shape (rows, cols)) of every matrix, in llama.cpp's order."""
@@ -72,11 +86,16 @@ class Shape:
     def params(self, layers: int) -> int:
         """Parameter count with `layers` blocks (norm vectors included)."""
         n = sum(r * c for _, (r, c) in self.matrices(layers))
-        return n + self.dim * (2 * layers + 1)
+        return n + self.dim * (2 * layers + 1) + sum(n for _, n in self.biases(layers))
 
 
-# From each model's config.json on its publisher's page (Meta's Llama 3.x releases).
+# From each model's config.json on its publisher's page (Meta's Llama 3.x releases, Qwen's
+# Qwen2.5-Coder Instruct releases, whose 0.5B and 1.5B are the pack's real pair; their
+# published GGUFs carry output.weight although the models tie it, so these do too, and
+# llama.cpp counts the same parameters: 630,167,424 and 1,777,088,000).
 SHAPES = {
+    "qwen2.5-0.5b": Shape("Qwen/Qwen2.5-Coder-0.5B-Instruct", 151936, 896, 24, 14, 2, 4864, 32768, 1000000.0, 1e-6, False, "qwen2"),
+    "qwen2.5-1.5b": Shape("Qwen/Qwen2.5-Coder-1.5B-Instruct", 151936, 1536, 28, 12, 2, 8960, 32768, 1000000.0, 1e-6, False, "qwen2"),
     "llama-3.2-1b": Shape("meta-llama/Llama-3.2-1B", 128256, 2048, 16, 32, 8, 8192, 131072, 500000.0, 1e-5, True),
     "llama-3.2-3b": Shape("meta-llama/Llama-3.2-3B", 128256, 3072, 28, 24, 8, 8192, 131072, 500000.0, 1e-5, True),
     "llama-3.1-8b": Shape("meta-llama/Llama-3.1-8B", 128256, 4096, 32, 32, 8, 14336, 131072, 500000.0, 1e-5, False),
@@ -139,22 +158,23 @@ def write(shape_name: str, qtype: str, seed: int, layers: int | None, tokenizer:
     gtype, ftype = TYPES[qtype]
     hd = shape.dim // shape.heads
     w = ggufw.GGUFWriter()
-    w.add_str("general.architecture", "llama")
+    arch = shape.arch
+    w.add_str("general.architecture", arch)
     label = shape_name if n_layers == shape.layers else f"{shape_name} ({n_layers} of {shape.layers} layers)"
     w.add_str("general.name", f"random weights, shape of {label}, seed {seed}")
     w.add_str("general.description", f"random weights in the shape of {shape.source}; meaningless output, for speed only")
     w.add_u32("general.file_type", ftype)
     w.add_u32("general.quantization_version", 2)
-    w.add_u32("llama.context_length", shape.ctx)
-    w.add_u32("llama.embedding_length", shape.dim)
-    w.add_u32("llama.block_count", n_layers)
-    w.add_u32("llama.feed_forward_length", shape.ffn)
-    w.add_u32("llama.attention.head_count", shape.heads)
-    w.add_u32("llama.attention.head_count_kv", shape.kv_heads)
-    w.add_f32("llama.rope.freq_base", shape.rope_base)
-    w.add_u32("llama.rope.dimension_count", hd)
-    w.add_f32("llama.attention.layer_norm_rms_epsilon", shape.eps)
-    w.add_u32("llama.vocab_size", shape.vocab)
+    w.add_u32(f"{arch}.context_length", shape.ctx)
+    w.add_u32(f"{arch}.embedding_length", shape.dim)
+    w.add_u32(f"{arch}.block_count", n_layers)
+    w.add_u32(f"{arch}.feed_forward_length", shape.ffn)
+    w.add_u32(f"{arch}.attention.head_count", shape.heads)
+    w.add_u32(f"{arch}.attention.head_count_kv", shape.kv_heads)
+    w.add_f32(f"{arch}.rope.freq_base", shape.rope_base)
+    w.add_u32(f"{arch}.rope.dimension_count", hd)
+    w.add_f32(f"{arch}.attention.layer_norm_rms_epsilon", shape.eps)
+    w.add_u32(f"{arch}.vocab_size", shape.vocab)
     for key, vtype, value, elem in tokenizer_from(tokenizer, shape.vocab):
         w.add(key, vtype, value, elem)
     ones = np.ones(shape.dim, dtype=np.float32)
@@ -172,6 +192,8 @@ def write(shape_name: str, qtype: str, seed: int, layers: int | None, tokenizer:
             name = f"blk.{i}.{part}.weight"
             w.add_tensor_bytes(name, mats[name], gtype,
                                lambda name=name: random_blocks(seed, name, mats[name], gtype))
+    for name, n in shape.biases(n_layers):
+        w.add_tensor(name, np.zeros(n, dtype=np.float32), ggufw.GGML_F32)
     tmp = out + ".part"
     w.write(tmp)
     os.replace(tmp, out)
@@ -217,7 +239,7 @@ def main() -> int:
 def estimate(shape: Shape, gtype: int) -> int:
     """Tensor bytes of the whole shape (without the header)."""
     mats = sum(ggufw.tensor_nbytes(s, gtype) for _, s in shape.matrices(shape.layers))
-    return mats + 4 * shape.dim * (2 * shape.layers + 1)
+    return mats + 4 * (shape.dim * (2 * shape.layers + 1) + sum(n for _, n in shape.biases(shape.layers)))
 
 
 if __name__ == "__main__":

@@ -2,7 +2,8 @@
 //! file is a function of its arguments, llama.cpp loads it with the architecture's
 //! parameter count, a `mesh up` node decodes exactly the tokens asked with `ignore_eos`, and
 //! bad arguments are refused before anything is written. The tests write the first layer
-//! of the Llama-3.2-1B shape only (the 128256 x 2048 embedding included), to stay quick.
+//! of the Llama-3.2-1B shape only (the 128256 x 2048 embedding included), to stay quick, and
+//! one layer of the Qwen2.5-0.5B shape (the `qwen2` architecture).
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
@@ -78,6 +79,21 @@ fn up(dir: &Path, model: &Path) -> Node {
     .unwrap_or_else(|log| panic!("node did not start:\n{log}"))
 }
 
+/// The parameter count llama.cpp reports for the node's t1, and the model list it is in.
+async fn t1_params(node: &Node) -> (Option<u64>, Value) {
+    let v: Value = reqwest::get(format!("{}/v1/models", node.http))
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    let n = v["data"]
+        .as_array()
+        .and_then(|d| d.iter().find(|m| m["id"] == "t1"))
+        .and_then(|m| m["meta"]["n_params"].as_u64());
+    (n, v)
+}
+
 fn same_bytes(a: &Path, b: &Path) -> bool {
     std::fs::read(a).unwrap() == std::fs::read(b).unwrap()
 }
@@ -108,20 +124,37 @@ fn another_seed_writes_other_weights() {
 async fn llama_cpp_counts_the_architectures_parameters() {
     let d = tempfile::tempdir().unwrap();
     let node = up(d.path(), shared_q4());
-    let v: Value = reqwest::get(format!("{}/v1/models", node.http))
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
     let head = DIM / HEADS;
     // Tied embedding; one block: q, k, v, output, gate, up, down; two norms per block + final.
     let block = DIM * DIM * 2 + 2 * KV_HEADS * head * DIM + 3 * FFN * DIM;
     let expected = VOCAB * DIM + block + 3 * DIM;
-    let t1 = v["data"]
-        .as_array()
-        .and_then(|d| d.iter().find(|m| m["id"] == "t1"));
-    let n = t1.and_then(|m| m["meta"]["n_params"].as_u64());
+    let (n, v) = t1_params(&node).await;
+    assert_eq!(n, Some(expected), "{v}");
+}
+
+/// The Qwen2.5 shapes are llama.cpp's `qwen2` architecture: llama's blocks with biases on
+/// the q, k and v projections, and an output matrix of their own as in Qwen's GGUFs.
+#[tokio::test(flavor = "multi_thread")]
+async fn llama_cpp_loads_the_qwen2_shape_with_its_parameters() {
+    let d = tempfile::tempdir().unwrap();
+    let out = d.path().join("qwen05-1layer.gguf");
+    let o = shape_gguf(&[
+        "--shape",
+        "qwen2.5-0.5b",
+        "--layers",
+        "1",
+        "--type",
+        "q4_0",
+        "--out",
+        &out.display().to_string(),
+    ]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let node = up(d.path(), &out);
+    // Qwen2.5-0.5B: vocabulary 151936, width 896, 14 heads of 64, 2 KV heads, FFN 4864.
+    let (vocab, dim, kv, ffn) = (151_936u64, 896u64, 2 * 64u64, 4_864u64);
+    let block = 2 * dim * dim + 2 * kv * dim + 3 * ffn * dim + (dim + 2 * kv) + 2 * dim;
+    let expected = 2 * vocab * dim + block + dim;
+    let (n, v) = t1_params(&node).await;
     assert_eq!(n, Some(expected), "{v}");
 }
 
