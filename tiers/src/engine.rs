@@ -1720,9 +1720,13 @@ impl<'m> Loop<'m> {
         if let Some(sp) = &mut s.spec {
             sp.out.push(tok.0);
         }
+        let eog = model.vocab().is_eog(tok);
+        // The token's text, looked up once for the reasoning span and the reply.
+        let piece = (!eog || self.think.is_some())
+            .then(|| model.vocab().token_to_piece(tok, true, None))
+            .unwrap_or_default();
         if let Some(t) = &self.think {
             let before = s.span.tokens;
-            let piece = model.vocab().token_to_piece(tok, true, None);
             s.span
                 .push(&String::from_utf8_lossy(&piece), &t.open, &t.close);
             if s.span.tokens > before {
@@ -1731,11 +1735,10 @@ impl<'m> Loop<'m> {
         }
         s.generated += 1;
         self.stats.generated_tokens.fetch_add(1, Ordering::Relaxed);
-        let eog = model.vocab().is_eog(tok);
         let mut text = String::new();
         let mut stopped = false;
         if !eog {
-            s.utf8.extend(model.vocab().token_to_piece(tok, true, None));
+            s.utf8.extend(piece);
             let valid = match std::str::from_utf8(&s.utf8) {
                 Ok(t) => t.len(),
                 Err(e) if e.error_len().is_none() => e.valid_up_to(),

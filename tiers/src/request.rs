@@ -86,7 +86,8 @@ pub struct Usage {
     pub prompt_tokens: usize,
     /// Generated tokens.
     pub completion_tokens: usize,
-    /// Generated tokens inside `<think>`...`</think>` (markers excluded).
+    /// Generated tokens inside `<think>`...`</think>`: the open marker excluded, and the
+    /// close marker's last token (its leading pieces count when it is spelled in several).
     #[serde(default)]
     pub reasoning_tokens: usize,
     /// True when the reasoning governor closed the think block.
