@@ -157,6 +157,17 @@ async fn run_task(
     })
 }
 
+/// Seconds since `./dev.sh demo` was typed (it exports `MESH_DEMO_STARTED`, Unix seconds),
+/// set-up and build included; `None` when run some other way.
+fn since_command() -> Option<f64> {
+    let started: f64 = std::env::var("MESH_DEMO_STARTED").ok()?.parse().ok()?;
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .ok()?
+        .as_secs_f64();
+    Some((now - started).max(0.0))
+}
+
 fn short(s: &str, n: usize) -> String {
     if s.chars().count() <= n {
         s.to_owned()
@@ -247,6 +258,7 @@ async fn main() -> anyhow::Result<()> {
 
     let http = reqwest::Client::new();
     let mut summary = Vec::new();
+    let mut first_answer = Some(());
     for tier in &a.tiers {
         let started = Instant::now();
         let sem = std::sync::Arc::new(tokio::sync::Semaphore::new(a.agents));
@@ -262,6 +274,13 @@ async fn main() -> anyhow::Result<()> {
         for h in handles {
             let (i, task, out) = h.await?;
             let out = out?;
+            if let Some(s) = first_answer.take().and_then(|()| since_command()) {
+                println!(
+                    "first agent answer {}m {:02}s after `./dev.sh demo` started",
+                    (s / 60.0) as u64,
+                    (s % 60.0) as u64
+                );
+            }
             ok += usize::from(out.correct);
             toks += out.tokens;
             lat.push(out.elapsed.as_secs_f64());

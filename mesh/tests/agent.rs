@@ -2,7 +2,7 @@
 //! `@modelcontextprotocol/server-filesystem`, started by the node over stdio, with the
 //! bundled t1 model.
 
-mod common;
+use crate::common;
 
 use std::path::{Path, PathBuf};
 

@@ -4,7 +4,7 @@
 //! Needs Python with the `anthropic` package: `MESH_PYTHON` (set by `./dev.sh test` to the
 //! project's virtualenv), else `python3`.
 
-mod common;
+use crate::common;
 use common::mesh_up;
 
 /// Runs one check of the script against `base` (`http://ADDR`).

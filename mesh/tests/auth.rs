@@ -3,7 +3,7 @@
 //! agent tasks run only the tools their key may run; a node on an open address without
 //! keys does not start.
 
-mod common;
+use crate::common;
 
 use std::path::{Path, PathBuf};
 use std::sync::OnceLock;

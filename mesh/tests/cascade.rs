@@ -3,7 +3,7 @@
 //! answer is exactly that tier's own answer, streaming replays it, and a reasoning
 //! budget closes the think block.
 
-mod common;
+use crate::common;
 
 use futures::StreamExt;
 use mesh::config::NodeConfig;

@@ -1,7 +1,7 @@
 //! The client SDK against real gateways: typed calls, streaming, an agent loop,
 //! and failover when the gateway in use is killed.
 
-mod common;
+use crate::common;
 
 use common::mesh_up;
 use futures::StreamExt;

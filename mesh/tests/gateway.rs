@@ -2,7 +2,7 @@
 //! behaviour per test. The tests that need nothing of the node's counters share one node
 //! started once for this test binary ([`shared`]); the others start their own.
 
-mod common;
+use crate::common;
 
 use std::sync::OnceLock;
 use std::time::Duration;

@@ -3,7 +3,7 @@
 //! flight, 413 for a body over the limit, connections closed when they do not send their
 //! headers in time, and connections past the limit waiting until one closes.
 
-mod common;
+use crate::common;
 
 use std::io::{Read, Write};
 use std::sync::OnceLock;

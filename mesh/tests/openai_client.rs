@@ -5,7 +5,7 @@
 
 use std::process::Command;
 
-mod common;
+use crate::common;
 use common::mesh_up;
 
 #[test]

@@ -4,7 +4,7 @@
 //! bodies that match their schemas. `POST /v1/control/tune` is left out: each call runs a
 //! whole tuning cycle.
 
-mod common;
+use crate::common;
 
 use std::path::{Path, PathBuf};
 use std::time::Duration;

@@ -2,7 +2,7 @@
 
 use std::time::{Duration, Instant};
 
-mod common;
+use crate::common;
 use common::mesh_up;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -14,7 +14,7 @@ use std::sync::OnceLock;
 use mesh_tiers::chat::{ChatMessage, Role};
 use mesh_tiers::format::ChatInput;
 
-mod common;
+use crate::common;
 
 const PACK_NAME: &str = "qwen2.5-coder-0.5b-instruct";
 const FILE: &str = "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf";

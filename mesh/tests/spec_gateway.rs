@@ -4,7 +4,7 @@
 //! `mesh_spec_*_tokens_total`; requests with a grammar (tools offered) are drafted too
 //! and still match.
 
-mod common;
+use crate::common;
 
 use futures::StreamExt;
 use mesh::config::NodeConfig;

@@ -2,7 +2,7 @@
 //! top-k in its prompt (the bundled embedding model), the right tool among them, and a
 //! `tool_choice` tool always stays.
 
-mod common;
+use crate::common;
 
 use mesh::config::NodeConfig;
 use mesh_tiers::EngineConfig;

@@ -3,7 +3,7 @@
 //! the very next request runs under it; a deliberately bad one (no thinking on hard tasks)
 //! is refused with 422 and the file keeps its bytes; malformed proposals get 400.
 
-mod common;
+use crate::common;
 
 use std::path::{Path, PathBuf};
 

@@ -2,8 +2,9 @@
 //! `qemu-user-static`: it starts, serves t1 with llama.cpp's Neoverse kernels, and answers
 //! exactly as the x86 build does.
 //!
-//! The binary is `target/aarch64-v1/aarch64-unknown-linux-gnu/release/mesh`, or
-//! `MESH_ARM64_BIN` built for the core `MESH_ARM64_CPU` names (`n1`, `v1`, `v2`). qemu
+//! The binary is `MESH_ARM64_BIN` built for the core `MESH_ARM64_CPU` names (`n1`, `v1`, `v2`),
+//! or else the newer of `target/aarch64-v1/aarch64-unknown-linux-gnu/{arm64-smoke,release}/mesh`
+//! (`./dev.sh test` builds the first, `./dev.sh arm64` the second). qemu
 //! emulates the core `MESH_QEMU_CPU` names, by default `max` with 256-bit SVE vectors as on
 //! Graviton3 (`./dev.sh arm64 --cpu n1` sets `neoverse-n1`, Graviton2).
 
@@ -15,15 +16,28 @@ use mesh_tests::{greedy_reply, mesh, root, Node};
 const QEMU: &str = "qemu-aarch64-static";
 
 fn arm64_bin() -> PathBuf {
-    let bin = std::env::var_os("MESH_ARM64_BIN")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| root().join("target/aarch64-v1/aarch64-unknown-linux-gnu/release/mesh"));
-    assert!(
-        bin.exists(),
-        "{} not found: build it with scripts/build-arm64.sh (./dev.sh arm64 sets up and runs it)",
-        bin.display()
-    );
-    bin
+    if let Some(bin) = std::env::var_os("MESH_ARM64_BIN").map(PathBuf::from) {
+        assert!(
+            bin.exists(),
+            "MESH_ARM64_BIN={} not found: build it with scripts/build-arm64.sh",
+            bin.display()
+        );
+        return bin;
+    }
+    let dir = root().join("target/aarch64-v1/aarch64-unknown-linux-gnu");
+    ["arm64-smoke", "release"]
+        .iter()
+        .map(|profile| dir.join(profile).join("mesh"))
+        .filter_map(|bin| Some((bin.metadata().ok()?.modified().ok()?, bin)))
+        .max()
+        .map(|(_, bin)| bin)
+        .unwrap_or_else(|| {
+            panic!(
+                "no arm64 build in {}: build it with scripts/build-arm64.sh \
+                 (./dev.sh arm64 sets up and runs it)",
+                dir.display()
+            )
+        })
 }
 
 fn qemu_cpu() -> String {
@@ -98,14 +112,32 @@ async fn the_arm64_build_runs_llama_cpp_with_the_neoverse_kernels() {
     }
 }
 
-#[test]
-fn the_build_script_refuses_a_cpu_it_has_no_flags_for() {
+/// `scripts/build-arm64.sh ARGS`: its exit code and standard error.
+fn build_script(args: &[&str]) -> (Option<i32>, String) {
     let o = Command::new("bash")
         .arg(root().join("scripts/build-arm64.sh"))
-        .args(["--cpu", "v9"])
+        .args(args)
         .output()
         .expect("bash runs");
-    let err = String::from_utf8_lossy(&o.stderr);
-    assert_eq!(o.status.code(), Some(2), "{err}");
+    (
+        o.status.code(),
+        String::from_utf8_lossy(&o.stderr).into_owned(),
+    )
+}
+
+#[test]
+fn the_build_script_refuses_a_cpu_it_has_no_flags_for() {
+    let (code, err) = build_script(&["--cpu", "v9"]);
+    assert_eq!(code, Some(2), "{err}");
     assert!(err.contains("--cpu must be n1, v1 or v2, not v9"), "{err}");
+}
+
+#[test]
+fn the_build_script_refuses_a_profile_it_does_not_know() {
+    let (code, err) = build_script(&["--profile", "dev"]);
+    assert_eq!(code, Some(2), "{err}");
+    assert!(
+        err.contains("--profile must be release or arm64-smoke, not dev"),
+        "{err}"
+    );
 }

@@ -6,7 +6,7 @@
 //! slots) come back from host-RAM pages with the same replies.
 //!
 //! On a GPU node only (ignored elsewhere; run them after `scripts/build-cuda-module.sh` with
-//! `cargo test --release --workspace --test gpu -- --ignored`): `mesh topology` lists the GPU
+//! `cargo test --release --workspace --test integration gpu:: -- --ignored`): `mesh topology` lists the GPU
 //! with its memory; pages a GPU node wrote to `--kv-dir` are restored on the GPU after a
 //! restart, with the same reply; a shared prefix served from each level of a GPU node
 //! (kept in the slot, copied from a running sequence on the GPU, restored from host RAM)

@@ -147,11 +147,12 @@ async fn one_trace_spans_both_nodes_at_a_real_otlp_receiver() {
         assert!(mesh(&["cert", "issue", n, "--dir", &c]).status.success());
     }
     let endpoint = format!("http://127.0.0.1:{port}");
-    std::env::set_var("OTEL_EXPORTER_OTLP_ENDPOINT", &endpoint); // inherited by the nodes
-    let mut serving = Node::start("serving", &certs, &[], "t1", &[]).expect("serving node");
-    let mut entry =
-        Node::start("entry", &certs, &[&serving.quic], "none", &[]).expect("entry node");
-    std::env::remove_var("OTEL_EXPORTER_OTLP_ENDPOINT");
+    // Given to these two nodes only: the test process runs other tests' nodes beside them.
+    let env = [("OTEL_EXPORTER_OTLP_ENDPOINT", endpoint.as_str())];
+    let mut serving =
+        Node::start_with_env("serving", &certs, &[], "t1", &[], &env).expect("serving node");
+    let mut entry = Node::start_with_env("entry", &certs, &[&serving.quic], "none", &[], &env)
+        .expect("entry node");
 
     let client = reqwest::Client::new();
     let body = serde_json::json!({"model": "t1", "max_tokens": 8,

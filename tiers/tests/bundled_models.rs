@@ -25,7 +25,6 @@
 
 use std::num::NonZeroU32;
 use std::path::PathBuf;
-use std::sync::OnceLock;
 
 use llama_cpp_2::context::params::LlamaContextParams;
 use llama_cpp_2::llama_backend::LlamaBackend;
@@ -35,13 +34,10 @@ use llama_cpp_2::model::LlamaModel;
 use llama_cpp_2::token::LlamaToken;
 use serde::Deserialize;
 
+/// The process-wide backend: llama.cpp initialises once per process, and the other test
+/// modules of this binary share it.
 fn backend() -> &'static LlamaBackend {
-    static B: OnceLock<LlamaBackend> = OnceLock::new();
-    B.get_or_init(|| {
-        let mut b = LlamaBackend::init().expect("llama backend");
-        b.void_logs();
-        b
-    })
+    mesh_tiers::backend()
 }
 
 fn models_dir() -> PathBuf {

@@ -11,13 +11,12 @@
 //!   points the test at another file with the same layout.
 //!
 //! Both are required: a missing file fails the test, it is never skipped.
-//! `MESH_TEST_LLAMA_LOGS=1` keeps llama.cpp's own log output.
+//! `MESH_LLAMA_LOGS=1` keeps llama.cpp's own log output.
 
 use std::num::NonZeroU32;
 use std::path::PathBuf;
 
 use llama_cpp_2::context::params::{LlamaContextParams, LlamaPoolingType};
-use llama_cpp_2::llama_backend::LlamaBackend;
 use llama_cpp_2::llama_batch::LlamaBatch;
 use llama_cpp_2::model::params::LlamaModelParams;
 use llama_cpp_2::model::LlamaModel;
@@ -118,8 +117,6 @@ fn cosine(a: &[f64], b: &[f64]) -> f64 {
     dot / (na * nb)
 }
 
-// One #[test] only: LlamaBackend::init() may run once per process, and the
-// test harness runs the tests of this file as threads of one process.
 #[test]
 fn gguf_embeddings_match_sentence_transformers() {
     let reference = load_reference();
@@ -130,11 +127,10 @@ fn gguf_embeddings_match_sentence_transformers() {
          --out models/embed/all-minilm-l6-v2-f16.gguf"
     );
 
-    let mut backend = LlamaBackend::init().expect("llama backend init");
-    if std::env::var_os("MESH_TEST_LLAMA_LOGS").is_none() {
-        backend.void_logs();
-    }
-    let model = LlamaModel::load_from_file(&backend, MODEL, &LlamaModelParams::default())
+    // llama.cpp initialises once per process; the binary's other modules share it
+    // (its logs: MESH_LLAMA_LOGS=1).
+    let backend = mesh_tiers::backend();
+    let model = LlamaModel::load_from_file(backend, MODEL, &LlamaModelParams::default())
         .expect("load the embedding GGUF");
     assert_eq!(
         usize::try_from(model.n_embd()).unwrap(),
@@ -151,7 +147,7 @@ fn gguf_embeddings_match_sentence_transformers() {
         .with_n_threads(1)
         .with_n_threads_batch(1);
     let mut ctx = model
-        .new_context(&backend, params)
+        .new_context(backend, params)
         .expect("create an embeddings context");
     let vocab = model.vocab();
 
