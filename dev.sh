@@ -50,11 +50,12 @@ cmd_demo() {
     # The demo prints the time from here to its first agent answer.
     MESH_DEMO_STARTED="$(date +%s.%N)"
     export MESH_DEMO_STARTED
-    local st=0 t
+    local st=0 t set_up=0
     agent_demo_status || st=$?
     if ((st == 2)); then
         # Fresh machine: install the tools first, then look again.
         scripts/setup.sh --demo
+        set_up=1
         st=0
         agent_demo_status || st=$?
     fi
@@ -63,7 +64,7 @@ cmd_demo() {
         exit 1
     fi
     # Only what the demo needs; `./dev.sh test` installs the rest.
-    scripts/setup.sh --demo
+    ((set_up)) || scripts/setup.sh --demo
     echo "[demo] set-up done, $(since "$MESH_DEMO_STARTED") since ./dev.sh demo started"
     # Only what the demo needs. --workspace resolves features as the full build does, so
     # `./dev.sh test` later reuses all of it (llama.cpp included) and builds the rest.
