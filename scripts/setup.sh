@@ -62,6 +62,7 @@ TEST_PACKAGES=(
     binutils         # readelf/strip: scripts/image.py finds and strips the image's files
     iproute2         # `ip netns`: the partition tests cut links between namespaces
     procps           # kill: the tests stop nodes with a signal
+    libpython3.11    # the rotel collector (.venv) links it: the OTLP export test
 )
 
 # With --arm64: Debian's cross toolchain and arm64 (multiarch) libraries. rustc-web and

@@ -36,6 +36,24 @@ fn filesystem(root: &Path) -> McpServerConfig {
     )
 }
 
+/// The flag that gives Node 18 (Debian 12's `nodejs`) the global `crypto` server-everything
+/// names its HTTP sessions with; later versions have it without a flag.
+fn webcrypto_flag() -> Option<&'static str> {
+    let out = Command::new("node")
+        .arg("--version")
+        .output()
+        .expect("node runs (scripts/setup.sh installs it)");
+    let version = String::from_utf8_lossy(&out.stdout);
+    let major: u32 = version
+        .trim()
+        .trim_start_matches('v')
+        .split('.')
+        .next()
+        .and_then(|m| m.parse().ok())
+        .unwrap_or_else(|| panic!("node --version printed {version:?}"));
+    (major < 19).then_some("--experimental-global-webcrypto")
+}
+
 /// `server-everything` over streamable HTTP on a free port; killed on drop.
 struct Everything {
     child: Child,
@@ -45,6 +63,7 @@ struct Everything {
 impl Everything {
     fn start(port: u16) -> Self {
         let child = Command::new("node")
+            .args(webcrypto_flag())
             .arg(server_js("server-everything"))
             .arg("streamableHttp")
             .env("PORT", port.to_string())
