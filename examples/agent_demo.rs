@@ -258,7 +258,7 @@ async fn main() -> anyhow::Result<()> {
 
     let http = reqwest::Client::new();
     let mut summary = Vec::new();
-    let mut first_answer = Some(());
+    let mut answered = false;
     for tier in &a.tiers {
         let started = Instant::now();
         let sem = std::sync::Arc::new(tokio::sync::Semaphore::new(a.agents));
@@ -274,12 +274,15 @@ async fn main() -> anyhow::Result<()> {
         for h in handles {
             let (i, task, out) = h.await?;
             let out = out?;
-            if let Some(s) = first_answer.take().and_then(|()| since_command()) {
-                println!(
-                    "first agent answer {}m {:02}s after `./dev.sh demo` started",
-                    (s / 60.0) as u64,
-                    (s % 60.0) as u64
-                );
+            if !answered {
+                answered = true;
+                if let Some(s) = since_command() {
+                    println!(
+                        "first agent answer {}m {:02}s after `./dev.sh demo` started",
+                        (s / 60.0) as u64,
+                        (s % 60.0) as u64
+                    );
+                }
             }
             ok += usize::from(out.correct);
             toks += out.tokens;
