@@ -163,6 +163,14 @@ fn read_all(bytes: &[u8], sizes: Vec<usize>, max: usize) -> Vec<Result<Option<Ms
     })
 }
 
+/// The frame of `m` after one more decode and encode. Compared as bytes, because a
+/// damaged float may be NaN, which no value equals, though it survives bit for bit.
+fn round_trip(m: &Msg) -> Vec<u8> {
+    let f = encode(m).unwrap();
+    let again: Msg = decode(&f[HEADER_LEN..]).unwrap();
+    encode(&again).unwrap().to_vec()
+}
+
 fn header_of(frame: &[u8]) -> [u8; HEADER_LEN] {
     frame[..HEADER_LEN].try_into().expect("header")
 }
@@ -217,10 +225,7 @@ proptest! {
     fn arbitrary_payload_is_refused_or_valid(bytes in prop::collection::vec(any::<u8>(), 0..512)) {
         match decode::<Msg>(&bytes) {
             Err(e) => prop_assert!(matches!(e, FrameError::Invalid(_)), "{e:?}"),
-            Ok(m) => {
-                let f = encode(&m).unwrap();
-                prop_assert_eq!(decode::<Msg>(&f[HEADER_LEN..]).unwrap(), m);
-            }
+            Ok(m) => prop_assert_eq!(round_trip(&m), encode(&m).unwrap()),
         }
     }
 
@@ -233,8 +238,7 @@ proptest! {
         let i = at.index(payload.len());
         payload[i] ^= mask;
         if let Ok(got) = decode::<Msg>(&payload) {
-            let again = encode(&got).unwrap();
-            prop_assert_eq!(decode::<Msg>(&again[HEADER_LEN..]).unwrap(), got);
+            prop_assert_eq!(round_trip(&got), encode(&got).unwrap());
         }
     }
 
