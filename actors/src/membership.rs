@@ -11,7 +11,7 @@
 //!                          └──────────── heartbeat (rejoin) ◀─────────────┘
 //! ```
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::time::{Duration, Instant};
 
 use crate::wire::{NodeAdvert, PeerAddr};
@@ -56,6 +56,8 @@ pub enum Change {
 pub struct Membership {
     me: String,
     peers: BTreeMap<String, Peer>,
+    /// Every tier name a peer has advertised, also after it stopped (an engine restarting).
+    hosted: BTreeSet<String>,
 }
 
 impl Membership {
@@ -64,11 +66,17 @@ impl Membership {
         Self {
             me: me.into(),
             peers: BTreeMap::new(),
+            hosted: BTreeSet::new(),
         }
     }
 
     /// Records a heartbeat.
     pub fn heartbeat(&mut self, advert: NodeAdvert, now: Instant) -> Change {
+        for t in &advert.tiers {
+            if !self.hosted.contains(&t.name) {
+                self.hosted.insert(t.name.clone());
+            }
+        }
         match self.peers.get_mut(&advert.node) {
             None => {
                 self.peers.insert(
@@ -140,6 +148,12 @@ impl Membership {
     /// Every peer ever seen.
     pub fn all(&self) -> impl Iterator<Item = &Peer> {
         self.peers.values()
+    }
+
+    /// Whether any peer, live or not, has ever advertised `tier` (a request for it is then
+    /// "none available now", not "unknown model"), also if no advert lists it any more.
+    pub fn ever_hosted(&self, tier: &str) -> bool {
+        self.hosted.contains(tier)
     }
 
     /// Peers named in `advert` that this node has no live entry for (candidates to dial).
@@ -226,6 +240,33 @@ mod tests {
         assert!(!m.leave("b"));
         assert_eq!(m.alive().count(), 0);
         assert!(!m.fail("b"));
+    }
+
+    #[test]
+    fn a_tier_stays_known_after_its_advert_drops_it() {
+        let t0 = Instant::now();
+        let mut m = Membership::new("a");
+        let mut b = advert("b", 1, &[]);
+        b.tiers.push(crate::wire::TierAdvert {
+            name: "t1".into(),
+            max_seq_len: 4096,
+            n_seq_max: 1,
+            active: 0,
+            queued: 0,
+            kv_cells: 4096,
+            kv_reserved: 0,
+            page_base: vec![],
+            page_block: 0,
+            pages: vec![],
+            started: 0,
+            queued_ms_total: 0,
+        });
+        m.heartbeat(b, t0);
+        // The engine died: the next advert lists no tier.
+        m.heartbeat(advert("b", 1, &[]), t0 + Duration::from_secs(1));
+        assert!(m.all().all(|p| p.advert.tiers.is_empty()));
+        assert!(m.ever_hosted("t1"));
+        assert!(!m.ever_hosted("t2"));
     }
 
     #[test]
