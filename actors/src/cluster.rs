@@ -105,6 +105,10 @@ pub type AdvertSource = Arc<dyn Fn() -> BoxFuture<'static, LocalAdvert> + Send +
 /// Largest page frame accepted from a peer (pages of big models are MiB-sized).
 pub const MAX_PAGE_FRAME: usize = 256 << 20;
 
+/// How long a page pull that succeeded stays joinable after it ends
+/// ([`Cluster::fetch_pages`]).
+pub const PULL_GRACE: Duration = Duration::from_secs(2);
+
 /// Pages a peer sent for one pull: `(page id, stored bytes)` in prefix order.
 pub type PulledPages = Vec<([u8; 32], Vec<u8>)>;
 
@@ -905,8 +909,10 @@ impl Cluster {
     /// Concurrent calls for the same pages of the same peer share one pull: when several
     /// requests with one prefix arrive together (agents started at once), the pages cross
     /// the wire once. The pulled pages go to the starting caller's `keep` (which stores
-    /// them) before the pull ends, so a call that comes after the end finds them stored
-    /// instead of pulling them again; every caller gets what `keep` returned.
+    /// them) before the pull ends; every caller gets what `keep` returned. A call that
+    /// looked its pages up before they were stored may come after the pull ended: a pull
+    /// that succeeded stays joinable for [`PULL_GRACE`], so such a call takes its result
+    /// instead of pulling the pages again. A failed pull is forgotten at once.
     pub async fn fetch_pages<K>(
         &self,
         node: &str,
@@ -932,9 +938,17 @@ impl Cluster {
                         Ok(pages) => Ok(keep(pages).await),
                         Err(e) => Err(e),
                     };
-                    // Later calls start a fresh pull (the pages are stored by now, or the
-                    // pull failed and deserves another try).
-                    this.inner.pulls.remove(&key);
+                    if kept.is_ok() {
+                        // The pages are stored: calls a moment late join this result, later
+                        // ones find the pages stored (or, if evicted since, pull afresh).
+                        tokio::spawn(async move {
+                            tokio::time::sleep(PULL_GRACE).await;
+                            this.inner.pulls.remove(&key);
+                        });
+                    } else {
+                        // Failed: the next call deserves another try.
+                        this.inner.pulls.remove(&key);
+                    }
                     kept
                 }
                 .boxed()
@@ -1116,14 +1130,15 @@ impl Cluster {
         found
     }
 
-    /// Whether any peer, live or not, has advertised `tier` (a request for it is then "none
-    /// available", not "unknown model").
+    /// Whether any peer, live or not, has ever advertised `tier`, also when no advert lists
+    /// it now (its engine restarting): a request for it is then "none available", not
+    /// "unknown model".
     pub fn ever_hosted(&self, tier: &str) -> bool {
-        let m = self.inner.members.lock().expect("members");
-        let found = m
-            .all()
-            .any(|p| p.advert.tiers.iter().any(|t| t.name == tier));
-        found
+        self.inner
+            .members
+            .lock()
+            .expect("members")
+            .ever_hosted(tier)
     }
 
     /// Tier names hosted by live peers.
