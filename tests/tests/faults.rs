@@ -70,7 +70,19 @@ async fn child(c: &reqwest::Client, base: &str, name: &str) -> (bool, u64) {
 /// the supervisor took from the failure to the new incarnation (measured by the node, so
 /// a busy test machine's polling does not count).
 async fn crash_and_time_restart(c: &reqwest::Client, base: &str, name: &str) -> Duration {
-    let (_, before) = child(c, base, name).await;
+    // A crash just before (under load) may still be restarting: only a running actor can
+    // be crashed.
+    let t0 = Instant::now();
+    let before = loop {
+        match child(c, base, name).await {
+            (true, restarts) => break restarts,
+            _ => assert!(
+                t0.elapsed() < Duration::from_secs(10),
+                "{name} not running before the crash"
+            ),
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    };
     let t0 = Instant::now();
     let (s, v) = crash(c, base, name).await;
     assert_eq!(s, 200, "{v}");
@@ -144,6 +156,20 @@ async fn crash_under_load(
     actor: &str,
     bodies: &[Value],
 ) -> Vec<String> {
+    replies_across_crash(c, base, actor, bodies)
+        .await
+        .iter()
+        .map(answer)
+        .collect()
+}
+
+/// [`crash_under_load`], returning the whole replies.
+async fn replies_across_crash(
+    c: &reqwest::Client,
+    base: &str,
+    actor: &str,
+    bodies: &[Value],
+) -> Vec<Value> {
     let running = bodies.iter().map(|b| {
         let (c, base, b) = (c.clone(), base.to_owned(), b.clone());
         tokio::spawn(async move { chat(&c, &base, &b).await })
@@ -180,7 +206,7 @@ async fn crash_under_load(
         .map(|(i, r)| {
             let (s, v) = r.unwrap();
             assert_eq!(s, 200, "request {i} failed after the {actor} crash: {v}");
-            answer(&v)
+            v
         })
         .collect()
 }
@@ -230,18 +256,38 @@ async fn a_crashed_router_restarts_within_a_second_and_requests_across_it_succee
         v["mesh"]["router"]["shown"].as_array().is_some(),
         "routed: {v}"
     );
-    let answers = crash_under_load(&c, &n.http, "router", &bodies).await;
-    assert_eq!(answers.len(), 4);
+    let failed = "mesh_tool_routing_total{outcome=\"failed\"}";
+    let failed_before = metric(&c, &n.http, failed).await;
+    let replies = replies_across_crash(&c, &n.http, "router", &bodies).await;
+    assert_eq!(replies.len(), 4);
+    // A request the crashed router could not route shows every tool; each is counted.
+    let unrouted = replies
+        .iter()
+        .filter(|v| v["mesh"]["router"]["shown"].as_array().is_none())
+        .count();
+    assert_eq!(
+        metric(&c, &n.http, failed).await - failed_before,
+        unrouted as f64,
+        "requests that showed every tool during the crash, counted"
+    );
     let took = crash_and_time_restart(&c, &n.http, "router").await;
     assert!(
         took < Duration::from_secs(1),
         "router restarted in {took:?}"
     );
+    let failed_before = metric(&c, &n.http, failed).await;
     let (s, v) = chat(&c, &n.http, &bodies[1]).await;
     assert_eq!(s, 200, "{v}");
+    let shown = v["mesh"]["router"]["shown"].as_array().map_or(0, Vec::len);
     assert!(
-        v["mesh"]["router"]["shown"].as_array().is_some(),
-        "routed by the restarted router: {v}"
+        (1..tools.len()).contains(&shown),
+        "the restarted router chose a few of the {} tools: {v}",
+        tools.len()
+    );
+    assert_eq!(
+        metric(&c, &n.http, failed).await,
+        failed_before,
+        "the request after the restart was routed, not shown every tool"
     );
 }
 
@@ -413,6 +459,29 @@ async fn a_dead_engine_leaves_the_adverts_without_any_request_reaching_it() {
         );
         tokio::time::sleep(Duration::from_millis(2)).await;
     }
+    // Requests while t1 is not advertised: a refuses them itself (503, no node hosting t1)
+    // instead of sending them to b's dead engine; once t1 is back they are served.
+    let mut refused = 0;
+    loop {
+        let (s, v) = chat(&c, &a.http, &chat_body(refused, &[], 8)).await;
+        match s {
+            200 => break,
+            503 => {
+                let why = v["error"]["message"].as_str().unwrap_or_default();
+                assert!(
+                    why.contains("No node hosting `t1` is available"),
+                    "refused at a for want of a node, not by b's dead engine: {v}"
+                );
+                refused += 1;
+            }
+            _ => panic!("a request while b's t1 was dead: {s} {v}"),
+        }
+        assert!(
+            t0.elapsed() < Duration::from_secs(30),
+            "the restarted t1 never served"
+        );
+    }
+    assert!(refused >= 1, "no request was sent while t1 was dead");
     while tiers_of(&c, &a.http, "b").await != ["t1"] {
         assert!(
             t0.elapsed() < Duration::from_secs(30),
@@ -436,7 +505,7 @@ async fn in_a_cluster_requests_on_a_crashed_engine_move_to_a_peer() {
         &env,
     )
     .expect("a");
-    let _b = Node::start_with_env("b", &certs, &[&a.quic], "t1", &[], &env).expect("b");
+    let b = Node::start_with_env("b", &certs, &[&a.quic], "t1", &[], &env).expect("b");
     let c = reqwest::Client::new();
     let t0 = Instant::now();
     while tiers_of(&c, &a.http, "b").await != ["t1"] {
@@ -454,11 +523,17 @@ async fn in_a_cluster_requests_on_a_crashed_engine_move_to_a_peer() {
     }
     // Through a, whose only slot runs one request while the others queue; a's engine dies
     // and its requests re-run on b (or, for those routed there already, finish on b).
+    // Each generation b's engine starts looks its prompt up in b's page store.
+    let lookups = "mesh_kv_prefix_lookups_total";
+    let b_before = metric(&c, &b.http, lookups).await;
+    let reruns_before = metric(&c, &a.http, "mesh_request_reruns_total").await;
     let during = crash_under_load(&c, &a.http, "tier:t1", &bodies).await;
     assert_eq!(during, before, "the same tokens after the move");
+    let reruns = metric(&c, &a.http, "mesh_request_reruns_total").await - reruns_before;
+    assert!(reruns >= 1.0, "a's crash caught requests");
     assert!(
-        metric(&c, &a.http, "mesh_request_reruns_total").await >= 1.0,
-        "a's crash caught requests"
+        metric(&c, &b.http, lookups).await - b_before >= reruns,
+        "b, the peer, started every re-run ({reruns}) of a's requests"
     );
     let a_metrics = c
         .get(format!("{}/metrics", a.http))

@@ -2,9 +2,9 @@
 //! in a network namespace of its own,
 //! joined by veth links to a bridge in a fourth namespace (addresses 10.213.0.0/24, which
 //! exist only inside these namespaces). Under traffic, node c's link is cut, then restored:
-//! no request is lost (the SDK retries across gateways a and b, the gateways fail over
-//! between nodes), membership converges within [`CONVERGE`] of healing, and no tool with
-//! side effects runs twice.
+//! no request is lost and gateways a and b answer none with a 5xx (they fail over between
+//! nodes; the SDK's retries across them are counted past, not relied on), membership
+//! converges within [`CONVERGE`] of healing, and tools with side effects run, none twice.
 //!
 //! Needs root (it creates namespaces); everything it creates is removed when it ends.
 
@@ -166,6 +166,28 @@ async fn metric(c: &reqwest::Client, base: &str, name: &str) -> f64 {
         .sum()
 }
 
+/// Responses with a 5xx status the gateways in `gateways` have sent (their request counters).
+async fn server_errors(c: &reqwest::Client, gateways: &[String]) -> f64 {
+    let mut sum = 0.0;
+    for g in gateways {
+        let text = c
+            .get(format!("{g}/metrics"))
+            .timeout(Duration::from_secs(5))
+            .send()
+            .await
+            .expect("a gateway that is not cut off answers /metrics")
+            .text()
+            .await
+            .unwrap_or_default();
+        sum += text
+            .lines()
+            .filter(|l| l.starts_with("mesh_http_requests_total{") && l.contains("status=\"5"))
+            .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+            .sum::<f64>();
+    }
+    sum
+}
+
 /// Node names each gateway sees alive.
 async fn alive(c: &reqwest::Client, gateways: &[String]) -> Vec<Vec<String>> {
     let mut out = vec![];
@@ -324,6 +346,8 @@ fn a_partitioned_node_loses_no_request_and_rejoins() {
         })
         .await;
         let before = done.load(std::sync::atomic::Ordering::Relaxed);
+        // The SDK retries across gateways, which would hide a gateway's error: count them.
+        let errors_before = server_errors(&http, &g[..2]).await;
         ip(&["-n", &switch, "link", "set", &c_port, "down"]);
         mesh_tests::wait_until("a and b see c gone", async || {
             alive(&http, &g[..2]).await.iter().all(|v| v.len() == 2)
@@ -349,12 +373,17 @@ fn a_partitioned_node_loses_no_request_and_rejoins() {
             }
         }
         let total = done.load(std::sync::atomic::Ordering::Relaxed);
-        eprintln!("requests completed: {total} ({during} while c was cut off); membership converged {converged:?} after healing; side-effecting calls {side_effects}");
+        let server_errors = server_errors(&http, &g[..2]).await - errors_before;
+        eprintln!("requests completed: {total} ({during} while c was cut off); gateway 5xx {server_errors}; membership converged {converged:?} after healing; side-effecting calls {side_effects}");
         assert!(during > 0, "no request completed while c was cut off");
-        (errors, side_effects, converged)
+        (errors, server_errors, side_effects, converged)
     });
-    let (errors, reported, converged) = outcome;
+    let (errors, server_errors, reported, converged) = outcome;
     assert!(errors.is_empty(), "requests lost: {errors:?}");
+    assert_eq!(
+        server_errors, 0.0,
+        "gateways a and b answered with a 5xx from the cut to the end (the SDK retried them)"
+    );
     assert!(
         converged <= CONVERGE,
         "membership took {converged:?} after healing"
@@ -364,6 +393,10 @@ fn a_partitioned_node_loses_no_request_and_rejoins() {
         .lines()
         .filter(|l| l.contains("finance_create_invoice"))
         .count();
+    assert!(
+        reported > 0,
+        "no side-effecting call ran, so none running twice shows nothing"
+    );
     assert_eq!(
         executed, reported,
         "side-effecting calls executed vs reported"
