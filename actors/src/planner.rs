@@ -168,6 +168,26 @@ impl PlannerView {
     }
 }
 
+/// Why a pin or a status call got no answer from the node that plans.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum PlanError {
+    /// The planner refused it (an unknown tier, more replicas than nodes can hold).
+    #[error("{0}")]
+    Refused(String),
+    /// No planning node answered within [`FORWARD_WINDOW`]: the one that plans is gone and
+    /// membership has not yet named the next, or none is reachable. Worth a retry.
+    #[error("{0}")]
+    Unavailable(String),
+}
+
+/// How long a node keeps forwarding a call whose planning node did not answer, following
+/// membership to the next one (a dead planner's connection closes before membership marks
+/// it dead, so the first retry usually reaches its successor).
+pub const FORWARD_WINDOW: Duration = Duration::from_secs(8);
+
+/// The wait between forwards to a planning node that did not answer.
+const FORWARD_RETRY: Duration = Duration::from_millis(250);
+
 /// Messages of [`PlannerActor`].
 #[derive(Debug)]
 pub enum PlannerMsg {
@@ -181,12 +201,12 @@ pub enum PlannerMsg {
         /// Replicas.
         replicas: Option<u32>,
         /// The status, or why not.
-        reply: RpcReplyPort<Result<String, String>>,
+        reply: RpcReplyPort<Result<String, PlanError>>,
     },
     /// The status as JSON text, from the node that plans.
     Show {
         /// The status.
-        reply: RpcReplyPort<Result<String, String>>,
+        reply: RpcReplyPort<Result<String, PlanError>>,
     },
     /// An action finished.
     Done {
@@ -251,12 +271,7 @@ impl PlannerState {
     }
 
     fn leader(&self) -> Option<String> {
-        let members = self.args.cluster.members();
-        let names = members
-            .iter()
-            .filter(|m| m.state == "alive" && m.actors.iter().any(|a| a == "planner"))
-            .map(|m| m.node.as_str());
-        scaling::leader(names).map(str::to_owned)
+        leader_of(&self.args.cluster)
     }
 
     fn status_json(&self) -> String {
@@ -488,15 +503,60 @@ async fn act(
     }
 }
 
+/// The node that plans, as this node's membership sees it now.
+fn leader_of(cluster: &Cluster) -> Option<String> {
+    let members = cluster.members();
+    let names = members
+        .iter()
+        .filter(|m| m.state == "alive" && m.actors.iter().any(|a| a == "planner"))
+        .map(|m| m.node.as_str());
+    scaling::leader(names).map(str::to_owned)
+}
+
 /// Sends `call` to the planning node's planner and returns its status text.
-async fn forward(cluster: &Cluster, leader: &str, call: PlannerCall) -> Result<String, String> {
+async fn forward(cluster: &Cluster, leader: &str, call: &PlannerCall) -> Result<String, PlanError> {
     match cluster
-        .ask::<PlannerProtocol>(leader, &call, Duration::from_secs(10))
+        .ask::<PlannerProtocol>(leader, call, Duration::from_secs(10))
         .await
     {
         Ok(PlannerItem::Status(s)) => Ok(s),
-        Ok(PlannerItem::Refused(why)) => Err(why),
-        Err(e) => Err(format!("the planning node {leader}: {e}")),
+        Ok(PlannerItem::Refused(why)) => Err(PlanError::Refused(why)),
+        Err(e) if e.retryable() => Err(PlanError::Unavailable(format!(
+            "the planning node {leader}: {e}"
+        ))),
+        Err(e) => Err(PlanError::Refused(format!(
+            "the planning node {leader}: {e}"
+        ))),
+    }
+}
+
+/// What [`forward_until_answered`] settled on.
+enum Forwarded {
+    /// The answer (or the last refusal) for the caller.
+    Answer(Result<String, PlanError>),
+    /// Membership now names this node as the one that plans: handle the call here.
+    Here,
+}
+
+/// Forwards `call` to `leader`; while the planning node does not answer, waits and
+/// forwards to whichever node membership names then, for up to [`FORWARD_WINDOW`].
+async fn forward_until_answered(
+    cluster: &Cluster,
+    mut leader: String,
+    call: &PlannerCall,
+) -> Forwarded {
+    let give_up = Instant::now() + FORWARD_WINDOW;
+    loop {
+        let r = forward(cluster, &leader, call).await;
+        if !matches!(r, Err(PlanError::Unavailable(_))) || Instant::now() >= give_up {
+            return Forwarded::Answer(r);
+        }
+        tokio::time::sleep(FORWARD_RETRY).await;
+        match leader_of(cluster) {
+            Some(l) if l == cluster.name() => return Forwarded::Here,
+            Some(l) => leader = l,
+            None => return Forwarded::Answer(r),
+        }
     }
 }
 
@@ -537,8 +597,16 @@ impl Actor for PlannerActor {
                 match leader {
                     Some(l) if l != me => {
                         let cluster = state.args.cluster.clone();
+                        let myself = myself.clone();
                         tokio::spawn(async move {
-                            let _ = reply.send(forward(&cluster, &l, PlannerCall::Show).await);
+                            match forward_until_answered(&cluster, l, &PlannerCall::Show).await {
+                                Forwarded::Answer(r) => {
+                                    let _ = reply.send(r);
+                                }
+                                Forwarded::Here => {
+                                    let _ = myself.send_message(PlannerMsg::Show { reply });
+                                }
+                            }
                         });
                     }
                     _ => {
@@ -555,9 +623,24 @@ impl Actor for PlannerActor {
                 let me = state.me().to_owned();
                 if let Some(l) = leader.filter(|l| *l != me) {
                     let cluster = state.args.cluster.clone();
+                    let myself = myself.clone();
                     tokio::spawn(async move {
-                        let r = forward(&cluster, &l, PlannerCall::Scale { tier, replicas }).await;
-                        let _ = reply.send(r);
+                        let call = PlannerCall::Scale {
+                            tier: tier.clone(),
+                            replicas,
+                        };
+                        match forward_until_answered(&cluster, l, &call).await {
+                            Forwarded::Answer(r) => {
+                                let _ = reply.send(r);
+                            }
+                            Forwarded::Here => {
+                                let _ = myself.send_message(PlannerMsg::Scale {
+                                    tier,
+                                    replicas,
+                                    reply,
+                                });
+                            }
+                        }
                     });
                     return Ok(());
                 }
@@ -591,7 +674,7 @@ impl Actor for PlannerActor {
                         let _ = reply.send(Ok(state.status_json()));
                     }
                     Err(e) => {
-                        let _ = reply.send(Err(e));
+                        let _ = reply.send(Err(PlanError::Refused(e)));
                     }
                 }
             }

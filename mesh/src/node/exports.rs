@@ -10,7 +10,7 @@ use futures::future::BoxFuture;
 use mesh_actors::cluster::{AdvertSource, LocalAdvert};
 use mesh_actors::engines::Engines;
 use mesh_actors::pagestore::{Demoted, PageStores, StoreMsg, StoreProtocol};
-use mesh_actors::planner::{EnginesProtocol, PlannerMsg, PlannerProtocol};
+use mesh_actors::planner::{EnginesProtocol, PlanError, PlannerMsg, PlannerProtocol};
 use mesh_actors::remote::{CallContext, Exports, Started};
 use mesh_actors::router::{self, RouterMsg, RouterProtocol};
 use mesh_actors::supervisor::ActorSlot;
@@ -284,11 +284,15 @@ pub fn export_planner(exports: &Exports, slot: Arc<ActorSlot<PlannerMsg>>) {
                     },
                 )
                 .await;
-                one(match r {
-                    Ok(Ok(s)) => PlannerItem::Status(s),
-                    Ok(Err(e)) => PlannerItem::Refused(e),
-                    Err(e) => PlannerItem::Refused(format!("planner unavailable: {e}")),
-                })
+                match r {
+                    Ok(Ok(s)) => one(PlannerItem::Status(s)),
+                    Ok(Err(PlanError::Refused(e))) => one(PlannerItem::Refused(e)),
+                    Ok(Err(PlanError::Unavailable(e))) => Err(refused(ErrorClass::Unavailable, e)),
+                    Err(e) => Err(refused(
+                        ErrorClass::Unavailable,
+                        format!("planner unavailable: {e}"),
+                    )),
+                }
             })
         },
     );

@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use mesh_actors::node::{ChildView, NodeMsg};
 use mesh_actors::pagestore::{NamespaceStats, StoreMsg};
-use mesh_actors::planner::{PlannerMsg, PlannerStatus};
+use mesh_actors::planner::{PlanError, PlannerMsg, PlannerStatus};
 use mesh_actors::supervisor::{self, ActorCallError, ActorSlot};
 use mesh_actors::tuner::{self, TunerMsg};
 use mesh_control::placement::PlacementPlan;
@@ -176,12 +176,15 @@ impl Scaling<'_> {
 
     async fn call(
         &self,
-        make: impl Fn(RpcReplyPort<Result<String, String>>) -> PlannerMsg,
+        make: impl Fn(RpcReplyPort<Result<String, PlanError>>) -> PlannerMsg,
     ) -> Result<String, Error> {
         supervisor::call(self.planner, "planner", RESTART_WAIT, PLANNER_TIMEOUT, make)
             .await
             .map_err(unavailable)?
-            .map_err(refused)
+            .map_err(|e| match e {
+                PlanError::Refused(why) => refused(why),
+                PlanError::Unavailable(why) => Error::unavailable(format!("{why}; retry shortly")),
+            })
     }
 }
 
