@@ -23,7 +23,8 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use dashmap::DashMap;
 use futures::future::{BoxFuture, FutureExt, Shared};
-use mesh_transport::frame::{read_frame, write_frame, FrameError};
+use mesh_transport::frame::{self, read_frame, write_frame_as, FrameError};
+use mesh_transport::wire_version;
 use mesh_transport::{Endpoint, PeerConnection, TransportConfig, DEFAULT_MAX_FRAME};
 use ractor::{Actor, ActorProcessingErr, ActorRef};
 use tokio::sync::mpsc;
@@ -194,6 +195,13 @@ pub struct MemberView {
     pub last_seen_ms: u64,
     /// Room for more tiers, and the tiers it would start.
     pub capacity: Capacity,
+    /// Its build (`mesh <version>`; empty for a node older than wire 10).
+    pub build: String,
+    /// Cross-node behaviours it offers ([`crate::wire::CAPABILITIES`]).
+    pub capabilities: Vec<String>,
+    /// The wire version of this node's connection to it (for this node: the newest it
+    /// speaks); `None` while not connected.
+    pub wire: Option<u16>,
 }
 
 struct Inner {
@@ -431,7 +439,7 @@ impl Cluster {
             conn.close(CLOSE_IMPOSTOR.into(), b"connected to self");
             return;
         }
-        debug!(%peer, remote = %conn.remote_address(), "connection up");
+        debug!(%peer, remote = %conn.remote_address(), wire = wire_version(&conn), "connection up");
         self.inner.conns.insert(peer.clone(), conn.clone());
         // Introduce ourselves at once rather than at the next tick.
         self.send_heartbeat(conn.clone());
@@ -462,13 +470,14 @@ impl Cluster {
                 }
             });
         let c = self.clone();
+        let wire = wire_version(&conn);
         self.inner
             .tasks
             .spawn("peer-calls", Life::Short, async move {
                 while let Ok((send, recv)) = conn.accept_bi().await {
                     let c = c.clone();
                     let p = peer.clone();
-                    tokio::spawn(async move { c.serve(p, send, recv).await });
+                    tokio::spawn(async move { c.serve(p, wire, send, recv).await });
                 }
             });
     }
@@ -555,7 +564,14 @@ impl Cluster {
     }
 
     async fn on_control(&self, peer: String, conn: quinn::Connection, mut recv: quinn::RecvStream) {
-        let msg = match read_frame::<Control, _>(&mut recv, self.inner.cfg.max_frame).await {
+        let read = frame::read_payload(&mut recv, self.inner.cfg.max_frame).await;
+        // A version-9 frame has the advert without the build and capabilities.
+        let msg = read.and_then(|f| match f {
+            Some((9, p)) => frame::decode::<crate::wire::v9::Control>(&p).map(|c| Some(c.into())),
+            Some((_, p)) => frame::decode::<Control>(&p).map(Some),
+            None => Ok(None),
+        });
+        let msg = match msg {
             Ok(Some(m)) => m,
             Ok(None) => return,
             Err(e) => {
@@ -594,6 +610,8 @@ impl Cluster {
             actors: self.inner.exports.names(),
             pages: local.pages,
             capacity: local.capacity,
+            build: BUILD.to_owned(),
+            capabilities: capabilities(),
         }
     }
 
@@ -679,7 +697,13 @@ impl Cluster {
     }
 
     /// Serves one call stream from `peer`.
-    async fn serve(&self, peer: String, mut send: quinn::SendStream, mut recv: quinn::RecvStream) {
+    async fn serve(
+        &self,
+        peer: String,
+        wire: u16,
+        mut send: quinn::SendStream,
+        mut recv: quinn::RecvStream,
+    ) {
         let req = match read_frame::<Request, _>(&mut recv, self.inner.cfg.max_frame).await {
             Ok(Some(r)) => r,
             Ok(None) => return,
@@ -692,11 +716,15 @@ impl Cluster {
         };
         match req {
             Request::Ping { nonce, payload } => {
-                let _ = write_frame(&mut send, &Reply::Pong { nonce, payload }).await;
+                let _ = write_frame_as(&mut send, &Reply::Pong { nonce, payload }, wire).await;
                 let _ = send.finish();
             }
             Request::Call(envelope) => {
-                let ctx = CallContext { peer, envelope };
+                let ctx = CallContext {
+                    peer,
+                    envelope,
+                    wire,
+                };
                 self.inner
                     .exports
                     .serve(ctx, send, recv, self.inner.cfg.max_frame)
@@ -709,7 +737,7 @@ impl Cluster {
         &self,
         node: &str,
         req: &Request,
-    ) -> Result<(quinn::SendStream, quinn::RecvStream), CallError> {
+    ) -> Result<(quinn::SendStream, quinn::RecvStream, u16), CallError> {
         let conn = self
             .inner
             .conns
@@ -720,9 +748,12 @@ impl Cluster {
             node: node.to_owned(),
             reason: e.to_string(),
         };
+        let wire = wire_version(&conn);
         let (mut send, recv) = conn.open_bi().await.map_err(|e| lost(&e))?;
-        write_frame(&mut send, req).await.map_err(|e| lost(&e))?;
-        Ok((send, recv))
+        write_frame_as(&mut send, req, wire)
+            .await
+            .map_err(|e| lost(&e))?;
+        Ok((send, recv, wire))
     }
 
     /// Calls actor `P` on `node`: resolves when the callee accepted the call or refused
@@ -743,12 +774,12 @@ impl Cluster {
             deadline_ms: deadline.as_millis() as u64,
             trace,
         };
-        let (mut send, mut recv) = self.open_call(node, &Request::Call(envelope)).await?;
+        let (mut send, mut recv, wire) = self.open_call(node, &Request::Call(envelope)).await?;
         let lost = |reason: String| CallError::Lost {
             node: node.to_owned(),
             reason,
         };
-        call.write(&mut send)
+        call.write(&mut send, wire)
             .await
             .map_err(|e| lost(e.to_string()))?;
         let status = tokio::time::timeout(
@@ -1077,7 +1108,7 @@ impl Cluster {
     ///
     /// Cancel safety: cancel-safe.
     pub async fn ping(&self, node: &str, payload: Vec<u8>) -> Result<Vec<u8>, CallError> {
-        let (_send, mut recv) = self
+        let (_send, mut recv, _) = self
             .open_call(node, &Request::Ping { nonce: 1, payload })
             .await?;
         let r = tokio::time::timeout(
@@ -1197,6 +1228,9 @@ impl Cluster {
             uptime_s: now.saturating_sub(self.inner.started_ms) / 1000,
             last_seen_ms: 0,
             capacity: local.capacity,
+            build: BUILD.to_owned(),
+            capabilities: capabilities(),
+            wire: Some(frame::newest_spoken()),
         };
         let m = self.inner.members.lock().expect("members");
         std::iter::once(me)
@@ -1223,6 +1257,13 @@ impl Cluster {
                     uptime_s: now.saturating_sub(p.advert.started_ms) / 1000,
                     last_seen_ms: p.last_seen.elapsed().as_millis() as u64,
                     capacity: p.advert.capacity.clone(),
+                    build: p.advert.build.clone(),
+                    capabilities: p.advert.capabilities.clone(),
+                    wire: self
+                        .inner
+                        .conns
+                        .get(&p.advert.node)
+                        .map(|c| wire_version(&c)),
                 }
             }))
             .collect()
@@ -1253,6 +1294,17 @@ fn unexpected(node: &str, r: &dyn std::fmt::Debug) -> CallError {
     }
 }
 
+/// What this build says it is in adverts.
+const BUILD: &str = concat!("mesh ", env!("CARGO_PKG_VERSION"));
+
+/// This build's capabilities as advertised.
+fn capabilities() -> Vec<String> {
+    crate::wire::CAPABILITIES
+        .iter()
+        .map(|c| (*c).to_owned())
+        .collect()
+}
+
 fn refuse(peer: &str, e: &FrameError) {
     warn!(%peer, code = e.code(), error = %e, "refused frame; stream closed");
 }
@@ -1261,7 +1313,12 @@ async fn send_control(conn: &quinn::Connection, msg: &Control) {
     let Ok(mut s) = conn.open_uni().await else {
         return;
     };
-    if write_frame(&mut s, msg).await.is_ok() {
+    // A version-9 peer reads the advert without the build and capabilities.
+    let written = match wire_version(conn) {
+        9 => write_frame_as(&mut s, &crate::wire::v9::Control::from(msg.clone()), 9).await,
+        v => write_frame_as(&mut s, msg, v).await,
+    };
+    if written.is_ok() {
         let _ = s.finish();
         if matches!(msg, Control::Leave { .. }) {
             // Wait until the peer has read it: the connection closes right after.

@@ -204,6 +204,8 @@ mod tests {
             actors: vec![],
             pages: vec![],
             capacity: Default::default(),
+            build: String::new(),
+            capabilities: vec![],
         }
     }
 

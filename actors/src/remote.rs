@@ -23,7 +23,7 @@ use std::time::Duration;
 
 use dashmap::DashMap;
 use futures::future::BoxFuture;
-use mesh_transport::frame::{read_frame, write_frame, FrameError};
+use mesh_transport::frame::{read_frame, write_frame_as, FrameError};
 use tokio::sync::mpsc;
 use tracing::warn;
 
@@ -41,8 +41,12 @@ pub trait Wire: Sized + Send + Sync + Clone + std::fmt::Debug + 'static {
         r: &mut quinn::RecvStream,
         max: usize,
     ) -> BoxFuture<'_, Result<Option<Self>, FrameError>>;
-    /// Writes one frame.
-    fn write<'a>(&'a self, w: &'a mut quinn::SendStream) -> BoxFuture<'a, Result<(), FrameError>>;
+    /// Writes one frame of wire version `version` (the connection's).
+    fn write<'a>(
+        &'a self,
+        w: &'a mut quinn::SendStream,
+        version: u16,
+    ) -> BoxFuture<'a, Result<(), FrameError>>;
 }
 
 macro_rules! wire {
@@ -51,8 +55,8 @@ macro_rules! wire {
             fn read(r: &mut quinn::RecvStream, max: usize) -> BoxFuture<'_, Result<Option<Self>, FrameError>> {
                 Box::pin(read_frame::<$t, _>(r, max))
             }
-            fn write<'a>(&'a self, w: &'a mut quinn::SendStream) -> BoxFuture<'a, Result<(), FrameError>> {
-                Box::pin(write_frame(w, self))
+            fn write<'a>(&'a self, w: &'a mut quinn::SendStream, version: u16) -> BoxFuture<'a, Result<(), FrameError>> {
+                Box::pin(write_frame_as(w, self, version))
             }
         }
     )*};
@@ -124,6 +128,8 @@ pub struct CallContext {
     pub peer: String,
     /// The envelope.
     pub envelope: Envelope,
+    /// The wire version of the connection the call came on (answers are written in it).
+    pub wire: u16,
 }
 
 /// Serves the calls of one protocol on the callee.
@@ -184,18 +190,19 @@ impl<P: Protocol> Served for Typed<P> {
                     return;
                 }
             };
+            let wire = ctx.wire;
             let deadline = (ctx.envelope.deadline_ms > 0).then(|| {
                 tokio::time::Instant::now() + Duration::from_millis(ctx.envelope.deadline_ms)
             });
             let mut rx = match handler.call(call, ctx).await {
                 Ok(rx) => rx,
                 Err(e) => {
-                    let _ = CallStatus::Refused(e).write(&mut send).await;
+                    let _ = CallStatus::Refused(e).write(&mut send, wire).await;
                     let _ = send.finish();
                     return;
                 }
             };
-            if CallStatus::Accepted.write(&mut send).await.is_err() {
+            if CallStatus::Accepted.write(&mut send, wire).await.is_err() {
                 return;
             }
             loop {
@@ -213,7 +220,7 @@ impl<P: Protocol> Served for Typed<P> {
                 };
                 let frame: <P::Item as Item>::Answer = frame.into();
                 // A failed write means the caller went away: dropping `rx` cancels the work.
-                if frame.write(&mut send).await.is_err() || last {
+                if frame.write(&mut send, wire).await.is_err() || last {
                     break;
                 }
             }
@@ -271,7 +278,7 @@ impl Exports {
                     ErrorClass::NotFound,
                     format!("no actor `{}` on this node", ctx.envelope.actor),
                 );
-                let _ = CallStatus::Refused(e).write(&mut send).await;
+                let _ = CallStatus::Refused(e).write(&mut send, ctx.wire).await;
                 let _ = send.finish();
             }
         }

@@ -1,6 +1,9 @@
 //! Messages that cross nodes. Every type here is on the wire: never rename or
 //! reorder a variant or field; add new variants at the end and bump
-//! [`mesh_transport::WIRE_VERSION`] when an old node could not read a new frame.
+//! [`mesh_transport::WIRE_VERSION`] when an old node could not read a new frame, keeping
+//! the previous layout of each changed type in a module named after its version ([`v9`])
+//! with conversions both ways: a connection speaks the newest version both ends know, so a
+//! new node writes and reads the old layout on a connection to an old one.
 //!
 //! Streams:
 //! - unidirectional, one [`Control`] frame each: heartbeats (with the sender's advert and
@@ -119,7 +122,19 @@ pub struct NodeAdvert {
     pub pages: Vec<NamespacePages>,
     /// Room for more tiers, and the tiers it would start.
     pub capacity: Capacity,
+    /// The build: `mesh <version>` (since wire 10; empty from older nodes).
+    pub build: String,
+    /// Cross-node behaviours a peer may rely on, by name ([`CAPABILITIES`]; since wire 10,
+    /// none from older nodes). A feature added without a new wire version gets a name
+    /// here, and callers check it before they use it.
+    pub capabilities: Vec<String>,
 }
+
+/// What this build's nodes advertise as their capabilities:
+/// - `scale-forward`: a `mesh scale` reaching a node while the planning node is gone is
+///   forwarded on to the next one, and answered as unavailable (retryable) if none answers;
+/// - `wire-negotiation`: the node speaks more than one wire version.
+pub const CAPABILITIES: &[&str] = &["scale-forward", "wire-negotiation"];
 
 /// Short ids (first 8 bytes) of pages a store holds in one namespace, most recently used
 /// first (capped).
@@ -145,6 +160,79 @@ pub enum Control {
         /// Node leaving.
         node: String,
     },
+}
+
+/// The types whose layout wire version 10 changed, as version 9 wrote them.
+pub mod v9 {
+    use rkyv::{Archive, Deserialize, Serialize};
+
+    use super::{Capacity, NamespacePages, PeerAddr, TierAdvert};
+
+    /// [`super::NodeAdvert`] without the build and capabilities.
+    #[derive(Archive, Serialize, Deserialize, Debug, Clone, PartialEq)]
+    #[allow(missing_docs)]
+    pub struct NodeAdvert {
+        pub node: String,
+        pub quic_addr: String,
+        pub http_addr: String,
+        pub started_ms: u64,
+        pub tiers: Vec<TierAdvert>,
+        pub peers: Vec<PeerAddr>,
+        pub roles: Vec<String>,
+        pub actors: Vec<String>,
+        pub pages: Vec<NamespacePages>,
+        pub capacity: Capacity,
+    }
+
+    /// [`super::Control`] carrying a version-9 advert.
+    #[derive(Archive, Serialize, Deserialize, Debug, Clone, PartialEq)]
+    #[allow(missing_docs)]
+    pub enum Control {
+        Heartbeat(NodeAdvert),
+        Leave { node: String },
+    }
+
+    impl From<super::Control> for Control {
+        fn from(c: super::Control) -> Self {
+            match c {
+                super::Control::Heartbeat(a) => Self::Heartbeat(NodeAdvert {
+                    node: a.node,
+                    quic_addr: a.quic_addr,
+                    http_addr: a.http_addr,
+                    started_ms: a.started_ms,
+                    tiers: a.tiers,
+                    peers: a.peers,
+                    roles: a.roles,
+                    actors: a.actors,
+                    pages: a.pages,
+                    capacity: a.capacity,
+                }),
+                super::Control::Leave { node } => Self::Leave { node },
+            }
+        }
+    }
+
+    impl From<Control> for super::Control {
+        fn from(c: Control) -> Self {
+            match c {
+                Control::Heartbeat(a) => Self::Heartbeat(super::NodeAdvert {
+                    node: a.node,
+                    quic_addr: a.quic_addr,
+                    http_addr: a.http_addr,
+                    started_ms: a.started_ms,
+                    tiers: a.tiers,
+                    peers: a.peers,
+                    roles: a.roles,
+                    actors: a.actors,
+                    pages: a.pages,
+                    capacity: a.capacity,
+                    build: String::new(),
+                    capabilities: vec![],
+                }),
+                Control::Leave { node } => Self::Leave { node },
+            }
+        }
+    }
 }
 
 /// One key/value header (trace context).
@@ -584,6 +672,36 @@ pub enum Reply {
 mod tests {
     use super::*;
     use mesh_transport::frame::{decode, encode, HEADER_LEN};
+
+    #[test]
+    fn a_heartbeat_through_the_version_9_layout_loses_only_the_build_and_capabilities() {
+        let advert = NodeAdvert {
+            node: "a".into(),
+            quic_addr: "10.0.0.1:7070".into(),
+            http_addr: "10.0.0.1:8080".into(),
+            started_ms: 42,
+            tiers: vec![],
+            peers: vec![PeerAddr {
+                node: "b".into(),
+                quic_addr: "10.0.0.2:7070".into(),
+            }],
+            roles: vec!["tiers".into()],
+            actors: vec!["tier".into()],
+            pages: vec![],
+            capacity: Capacity::default(),
+            build: "mesh 0.1.0".into(),
+            capabilities: vec!["scale-forward".into()],
+        };
+        let old = v9::Control::from(Control::Heartbeat(advert.clone()));
+        let bytes = encode(&old).unwrap();
+        let back: Control = decode::<v9::Control>(&bytes[HEADER_LEN..]).unwrap().into();
+        let want = NodeAdvert {
+            build: String::new(),
+            capabilities: vec![],
+            ..advert
+        };
+        assert_eq!(back, Control::Heartbeat(want));
+    }
 
     #[test]
     fn a_call_roundtrips() {

@@ -19,3 +19,4 @@ mod quant_reload;
 mod roles;
 mod scaling;
 mod shapes;
+mod upgrade;

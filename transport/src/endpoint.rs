@@ -42,6 +42,17 @@ pub struct PeerConnection {
     pub peer: String,
 }
 
+/// The wire version a connection speaks: the one its TLS handshake chose by ALPN (see
+/// [`crate::frame::alpn`]). A handshake without a common version fails, so every
+/// established connection has one; the oldest is assumed otherwise.
+pub fn wire_version(conn: &quinn::Connection) -> u16 {
+    conn.handshake_data()
+        .and_then(|d| d.downcast::<quinn::crypto::rustls::HandshakeData>().ok())
+        .and_then(|d| d.protocol)
+        .and_then(|p| crate::frame::alpn_version(&p))
+        .unwrap_or(crate::frame::OLDEST_WIRE_VERSION)
+}
+
 /// This node's QUIC endpoint.
 #[derive(Debug, Clone)]
 pub struct Endpoint {

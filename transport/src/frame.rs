@@ -13,7 +13,7 @@
 //! [`FrameError`] with a stable [`FrameError::code`]; the caller closes that stream with
 //! the code and keeps the connection and the node running.
 
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU16, AtomicU64, Ordering};
 
 use bytes::{BufMut, Bytes, BytesMut};
 use rkyv::api::high::{HighDeserializer, HighSerializer, HighValidator};
@@ -30,8 +30,56 @@ pub const MAGIC: [u8; 2] = *b"MS";
 /// page-store and router protocols) and roles, actors and store pages in adverts; 6: prompt
 /// parts in `TierCall::Tokenize`, and the cached prompt tokens and matched stop string of
 /// `Event::Done`; 7: engine counters and capacity in adverts, later with the node's GPUs;
-/// 8: the device memory a loadable tier takes, `LoadableTier.gpu_bytes`).
-pub const WIRE_VERSION: u16 = 9;
+/// 8: the device memory a loadable tier takes, `LoadableTier.gpu_bytes`; 9: the planner's
+/// protocol and a node's standby tiers; 10: the build and capabilities in adverts).
+///
+/// A node speaks every version from [`OLDEST_WIRE_VERSION`] to this one: each connection
+/// uses the highest both sides speak (chosen in the TLS handshake by ALPN, see [`alpn`]),
+/// so a cluster can be upgraded one node at a time.
+pub const WIRE_VERSION: u16 = 10;
+/// The oldest version this build still speaks (one before [`WIRE_VERSION`]).
+pub const OLDEST_WIRE_VERSION: u16 = 9;
+
+/// The newest version this process speaks: [`WIRE_VERSION`] unless
+/// [`limit_wire_version`] lowered it.
+static NEWEST_SPOKEN: AtomicU16 = AtomicU16::new(WIRE_VERSION);
+
+/// Makes this process speak only versions up to `v`, as a node of the older build would
+/// (rolling-upgrade tests; `MESH_WIRE_VERSION`). Call before the node's endpoint is built.
+pub fn limit_wire_version(v: u16) -> Result<(), FrameError> {
+    if !(OLDEST_WIRE_VERSION..=WIRE_VERSION).contains(&v) {
+        return Err(FrameError::Version { got: v });
+    }
+    NEWEST_SPOKEN.store(v, Ordering::Relaxed);
+    Ok(())
+}
+
+/// The versions this process speaks, newest first.
+pub fn spoken_versions() -> Vec<u16> {
+    (OLDEST_WIRE_VERSION..=NEWEST_SPOKEN.load(Ordering::Relaxed))
+        .rev()
+        .collect()
+}
+
+/// The newest version this process speaks.
+pub fn newest_spoken() -> u16 {
+    NEWEST_SPOKEN.load(Ordering::Relaxed)
+}
+
+/// The ALPN protocol name of wire version `v`. Version 9 keeps the name every build up to
+/// it offered (`mesh/1`), so those builds and this one still agree on it.
+pub fn alpn(v: u16) -> Vec<u8> {
+    if v <= 9 {
+        b"mesh/1".to_vec()
+    } else {
+        format!("mesh/w{v}").into_bytes()
+    }
+}
+
+/// The wire version an ALPN protocol name stands for, if this process speaks it.
+pub fn alpn_version(name: &[u8]) -> Option<u16> {
+    spoken_versions().into_iter().find(|v| alpn(*v) == name)
+}
 /// Bytes before the payload.
 pub const HEADER_LEN: usize = 8;
 /// Default payload limit of control frames (1 MiB).
@@ -47,7 +95,10 @@ pub enum FrameError {
     #[error("bad frame magic")]
     BadMagic,
     /// The peer speaks another wire version.
-    #[error("wire version {got} not supported (this node speaks {WIRE_VERSION})")]
+    #[error(
+        "wire version {got} not supported (this node speaks {OLDEST_WIRE_VERSION} to {})",
+        newest_spoken()
+    )]
     Version {
         /// The version in the frame.
         got: u16,
@@ -131,8 +182,13 @@ where
 {
 }
 
-/// Encodes `v` as one frame (header + archive).
+/// Encodes `v` as one frame (header + archive) of the newest version this process speaks.
 pub fn encode<T: Encode>(v: &T) -> Result<Bytes, FrameError> {
+    encode_as(v, newest_spoken())
+}
+
+/// Encodes `v` as one frame whose header says wire version `version` (the connection's).
+pub fn encode_as<T: Encode>(v: &T, version: u16) -> Result<Bytes, FrameError> {
     let body =
         rkyv::to_bytes::<rancor::Error>(v).map_err(|e| FrameError::Invalid(e.to_string()))?;
     let len = u32::try_from(body.len()).map_err(|_| FrameError::TooLarge {
@@ -141,7 +197,7 @@ pub fn encode<T: Encode>(v: &T) -> Result<Bytes, FrameError> {
     })?;
     let mut out = BytesMut::with_capacity(HEADER_LEN + body.len());
     out.put_slice(&MAGIC);
-    out.put_u16_le(WIRE_VERSION);
+    out.put_u16_le(version);
     out.put_u32_le(len);
     out.put_slice(&body);
     STATS.frames_out.fetch_add(1, Ordering::Relaxed);
@@ -153,18 +209,27 @@ pub fn encode<T: Encode>(v: &T) -> Result<Bytes, FrameError> {
 
 /// Checks a header; returns the payload length.
 pub fn parse_header(h: &[u8; HEADER_LEN], max: usize) -> Result<usize, FrameError> {
+    parse_header_versioned(h, max).map(|(_, len)| len)
+}
+
+/// Checks a header (a version this process speaks); returns the version and the payload
+/// length.
+pub fn parse_header_versioned(
+    h: &[u8; HEADER_LEN],
+    max: usize,
+) -> Result<(u16, usize), FrameError> {
     if h[0..2] != MAGIC {
         return Err(FrameError::BadMagic);
     }
     let version = u16::from_le_bytes([h[2], h[3]]);
-    if version != WIRE_VERSION {
+    if !(OLDEST_WIRE_VERSION..=newest_spoken()).contains(&version) {
         return Err(FrameError::Version { got: version });
     }
     let len = u32::from_le_bytes([h[4], h[5], h[6], h[7]]) as usize;
     if len > max {
         return Err(FrameError::TooLarge { len, max });
     }
-    Ok(len)
+    Ok((version, len))
 }
 
 /// Validates and deserializes one payload.
@@ -209,6 +274,31 @@ where
     T::Archived: for<'a> rkyv::bytecheck::CheckBytes<HighValidator<'a, rancor::Error>>
         + rkyv::Deserialize<T, HighDeserializer<rancor::Error>>,
 {
+    match read_payload_inner(r, max).await? {
+        Some((_, payload)) => decode(&payload).map(Some),
+        None => Ok(None),
+    }
+}
+
+/// Reads one frame's version and payload, not decoded (for types whose layout depends on
+/// the version); `Ok(None)` when the stream ended cleanly between frames.
+///
+/// Cancel safety: not cancel-safe.
+pub async fn read_payload<R: AsyncRead + Unpin>(
+    r: &mut R,
+    max: usize,
+) -> Result<Option<(u16, Vec<u8>)>, FrameError> {
+    let res = read_payload_inner(r, max).await;
+    if res.is_err() {
+        STATS.refused.fetch_add(1, Ordering::Relaxed);
+    }
+    res
+}
+
+async fn read_payload_inner<R: AsyncRead + Unpin>(
+    r: &mut R,
+    max: usize,
+) -> Result<Option<(u16, Vec<u8>)>, FrameError> {
     let mut h = [0u8; HEADER_LEN];
     let mut filled = 0;
     while filled < HEADER_LEN {
@@ -229,7 +319,7 @@ where
             return Err(FrameError::BadMagic);
         }
     }
-    let len = parse_header(&h, max)?;
+    let (version, len) = parse_header_versioned(&h, max)?;
     let mut payload = vec![0u8; len];
     r.read_exact(&mut payload)
         .await
@@ -237,17 +327,28 @@ where
             std::io::ErrorKind::UnexpectedEof => FrameError::Truncated,
             _ => FrameError::Io(e.to_string()),
         })?;
-    decode(&payload).map(Some)
+    Ok(Some((version, payload)))
 }
 
-/// Writes one frame.
+/// Writes one frame of the newest version this process speaks.
 ///
 /// Cancel safety: not cancel-safe (a partly written frame corrupts the stream).
 pub async fn write_frame<T: Encode, W: AsyncWrite + Unpin>(
     w: &mut W,
     v: &T,
 ) -> Result<(), FrameError> {
-    let bytes = encode(v)?;
+    write_frame_as(w, v, newest_spoken()).await
+}
+
+/// Writes one frame whose header says wire version `version` (the connection's).
+///
+/// Cancel safety: not cancel-safe (a partly written frame corrupts the stream).
+pub async fn write_frame_as<T: Encode, W: AsyncWrite + Unpin>(
+    w: &mut W,
+    v: &T,
+    version: u16,
+) -> Result<(), FrameError> {
+    let bytes = encode_as(v, version)?;
     w.write_all(&bytes)
         .await
         .map_err(|e| FrameError::Io(e.to_string()))
@@ -287,6 +388,35 @@ mod tests {
         buf.extend_from_slice(&encode(&b).unwrap());
         let got = read_all(&buf, 1024).await;
         assert_eq!(got, vec![Ok(Some(a)), Ok(Some(b)), Ok(None)]);
+    }
+
+    #[tokio::test]
+    async fn a_frame_of_the_older_version_is_read_with_its_version() {
+        let mut buf = encode_as(&Msg::Ping(3), OLDEST_WIRE_VERSION)
+            .unwrap()
+            .to_vec();
+        buf.extend_from_slice(&encode(&Msg::Ping(4)).unwrap());
+        let mut r = &buf[..];
+        let (v, p) = read_payload(&mut r, 64).await.unwrap().unwrap();
+        assert_eq!(
+            (v, decode::<Msg>(&p).unwrap()),
+            (OLDEST_WIRE_VERSION, Msg::Ping(3))
+        );
+        let (v, p) = read_payload(&mut r, 64).await.unwrap().unwrap();
+        assert_eq!(
+            (v, decode::<Msg>(&p).unwrap()),
+            (WIRE_VERSION, Msg::Ping(4))
+        );
+    }
+
+    #[test]
+    fn alpn_names_stand_for_their_versions_and_version_9_keeps_the_old_name() {
+        assert_eq!(alpn(9), b"mesh/1");
+        for v in OLDEST_WIRE_VERSION..=WIRE_VERSION {
+            assert_eq!(alpn_version(&alpn(v)), Some(v));
+        }
+        assert_eq!(alpn_version(&alpn(WIRE_VERSION + 1)), None);
+        assert_eq!(alpn_version(b"h3"), None);
     }
 
     #[tokio::test]

@@ -13,7 +13,7 @@ pub mod endpoint;
 pub mod frame;
 pub mod tls;
 
-pub use endpoint::{Endpoint, PeerConnection, TransportConfig};
+pub use endpoint::{wire_version, Endpoint, PeerConnection, TransportConfig};
 pub use frame::{read_frame, write_frame, FrameError, DEFAULT_MAX_FRAME, WIRE_VERSION};
 pub use tls::{Identity, IdentityPaths};
 

@@ -31,8 +31,6 @@ use crate::TransportError;
 /// Name every node certificate carries as a SAN; clients verify servers against it
 /// (a dialing node does not know a seed's node name yet; the CN is read after the handshake).
 pub const CLUSTER_SAN: &str = "mesh-node";
-/// ALPN protocol of the mesh wire.
-pub const ALPN: &[u8] = b"mesh/1";
 
 /// Paths of the files of one node identity.
 #[derive(Debug, Clone)]
@@ -237,12 +235,18 @@ impl Identity {
             .with_client_cert_verifier(verifier)
             .with_single_cert(chain.clone(), key.clone_key())
             .map_err(|e| tls_err("server identity", e))?;
-        server.alpn_protocols = vec![ALPN.to_vec()];
+        // One ALPN name per wire version, newest first: the server takes the first of its
+        // own that the client offers, so a connection speaks the newest common version.
+        let alpn: Vec<Vec<u8>> = crate::frame::spoken_versions()
+            .into_iter()
+            .map(crate::frame::alpn)
+            .collect();
+        server.alpn_protocols = alpn.clone();
         let mut client = rustls::ClientConfig::builder()
             .with_root_certificates(roots)
             .with_client_auth_cert(chain, key)
             .map_err(|e| tls_err("client identity", e))?;
-        client.alpn_protocols = vec![ALPN.to_vec()];
+        client.alpn_protocols = alpn;
         Ok(Self {
             name,
             server: Arc::new(server),

@@ -7,6 +7,7 @@
 use std::pin::Pin;
 use std::task::{Context, Poll};
 
+use mesh_transport::frame::OLDEST_WIRE_VERSION;
 use mesh_transport::frame::{
     self, decode, encode, parse_header, read_frame, FrameError, HEADER_LEN, MAGIC,
 };
@@ -187,17 +188,24 @@ proptest! {
         prop_assert_eq!(decode::<Msg>(&f[HEADER_LEN..]).unwrap(), m);
     }
 
-    /// A header is accepted exactly when magic and version match and the length is within
+    /// A header is accepted exactly when the magic matches, the version is one this build
+    /// speaks and the length is within
     /// the limit, and then its length field is what is returned.
     #[test]
     fn header_accepted_iff_well_formed(
         h in prop_oneof![
             any::<[u8; HEADER_LEN]>(),
             // Mostly valid headers, so the length and limit checks are reached.
-            (any::<u32>(), any::<bool>()).prop_map(|(len, good)| {
+            (any::<u32>(), 0..4u8).prop_map(|(len, pick)| {
                 let mut h = [0u8; HEADER_LEN];
                 h[..2].copy_from_slice(&MAGIC);
-                let v = if good { WIRE_VERSION } else { WIRE_VERSION ^ 1 };
+                // Both spoken versions, and the one on either side of them.
+                let v = match pick {
+                    0 => WIRE_VERSION,
+                    1 => OLDEST_WIRE_VERSION,
+                    2 => WIRE_VERSION + 1,
+                    _ => OLDEST_WIRE_VERSION - 1,
+                };
                 h[2..4].copy_from_slice(&v.to_le_bytes());
                 h[4..].copy_from_slice(&len.to_le_bytes());
                 h
@@ -209,7 +217,7 @@ proptest! {
         let len = u32::from_le_bytes([h[4], h[5], h[6], h[7]]) as usize;
         let want = if h[..2] != MAGIC {
             Err(FrameError::BadMagic)
-        } else if version != WIRE_VERSION {
+        } else if !(OLDEST_WIRE_VERSION..=WIRE_VERSION).contains(&version) {
             Err(FrameError::Version { got: version })
         } else if len > max {
             Err(FrameError::TooLarge { len, max })

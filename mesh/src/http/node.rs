@@ -116,6 +116,7 @@ pub(crate) async fn cluster(State(state): State<HttpState>) -> Json<Value> {
                     "node": m.node, "local": m.local, "quic_addr": m.quic_addr, "http_addr": m.http_addr,
                     "state": m.state, "uptime_s": m.uptime_s, "last_seen_ms": m.last_seen_ms,
                     "roles": m.roles, "actors": m.actors,
+                    "build": m.build, "capabilities": m.capabilities, "wire": m.wire,
                     "stored_pages": m.stored_pages.iter().cloned().collect::<std::collections::BTreeMap<_, _>>(),
                     "tiers": m.tiers.iter().map(tier_json).collect::<Vec<_>>(),
                     "capacity": {"cores": m.capacity.cores, "cores_used": m.capacity.cores_used,

@@ -305,6 +305,19 @@ pub async fn start(
     let cluster = match &cfg.cluster {
         None => None,
         Some(cs) => {
+            // Rolling-upgrade tests: speak only the older wire version, as the previous build.
+            if let Ok(v) = std::env::var("MESH_WIRE_VERSION") {
+                let parsed = v.parse::<u16>().ok();
+                parsed
+                    .and_then(|v| mesh_transport::frame::limit_wire_version(v).ok())
+                    .ok_or_else(|| {
+                        anyhow::anyhow!(
+                            "MESH_WIRE_VERSION={v}: this build speaks wire versions {} to {}",
+                            mesh_transport::frame::OLDEST_WIRE_VERSION,
+                            mesh_transport::WIRE_VERSION
+                        )
+                    })?;
+            }
             let paths = mesh_transport::IdentityPaths::in_dir(&cs.cert_dir, &cs.name);
             let identity = mesh_transport::Identity::load(&paths).map_err(|e| {
                 anyhow::anyhow!("{e} (create one with `mesh cert issue {}`)", cs.name)
