@@ -30,7 +30,7 @@ use ractor::{Actor, ActorProcessingErr, ActorRef};
 use tokio::sync::mpsc;
 use tracing::{debug, info, warn};
 
-use crate::membership::{Change, Membership, PeerState};
+use crate::membership::{DeathCause, Effect, Input, Membership, PeerState};
 use crate::remote::{self, CallContext, Exports, Protocol, Wire};
 use crate::routing::Candidate;
 use crate::supervisor::ActorSlot;
@@ -300,7 +300,7 @@ impl Cluster {
         let quic_addr = advertised.to_string();
         let local = source().await;
         let inner = Arc::new(Inner {
-            members: Mutex::new(Membership::new(me.clone())),
+            members: Mutex::new(Membership::new(me.clone(), cfg.failure_timeout)),
             me,
             endpoint,
             quic_addr,
@@ -498,42 +498,21 @@ impl Cluster {
         self.apply(msg);
     }
 
-    /// Applies a membership event (the membership actor's work).
+    /// Applies a membership event (the membership actor's work): the connection it came
+    /// on is kept or dropped here, the table decides the rest ([`Membership::step`]).
     fn apply(&self, msg: MembershipMsg) {
-        match msg {
+        let input = match msg {
             MembershipMsg::Heartbeat { peer, advert, conn } => {
                 // A heartbeat on a connection we no longer hold (after a failure verdict)
                 // re-adopts it.
-                self.inner
-                    .conns
-                    .entry(peer.clone())
-                    .or_insert_with(|| conn.clone());
-                let (change, unknown) = {
-                    let mut m = self.inner.members.lock().expect("members");
-                    let unknown = m.unknown(&advert);
-                    (m.heartbeat(advert.clone(), Instant::now()), unknown)
-                };
-                let tiers: Vec<&str> = advert.tiers.iter().map(|t| t.name.as_str()).collect();
-                match change {
-                    Change::Joined => {
-                        info!(%peer, addr = %advert.quic_addr, ?tiers, roles = ?advert.roles, "peer joined")
-                    }
-                    Change::Rejoined => {
-                        info!(%peer, addr = %advert.quic_addr, ?tiers, "peer rejoined")
-                    }
-                    Change::Updated => {}
-                }
-                for p in unknown {
-                    self.dial_peer(p.node, p.quic_addr);
-                }
+                self.inner.conns.entry(peer).or_insert_with(|| conn.clone());
+                Input::Heartbeat(advert)
             }
             MembershipMsg::Leave { peer, conn } => {
-                if self.inner.members.lock().expect("members").leave(&peer) {
-                    info!(%peer, "peer left");
-                    self.inner
-                        .conns
-                        .remove_if(&peer, |_, c| c.stable_id() == conn.stable_id());
-                }
+                self.inner
+                    .conns
+                    .remove_if(&peer, |_, c| c.stable_id() == conn.stable_id());
+                Input::Leave(peer)
             }
             MembershipMsg::Closed {
                 peer,
@@ -546,20 +525,85 @@ impl Cluster {
                     .conns
                     .remove_if(&peer, |_, c| c.stable_id() == conn.stable_id())
                     .is_some();
-                if leaving {
-                    if self.inner.members.lock().expect("members").leave(&peer) {
-                        info!(%peer, "peer left (connection closed by a leaving node)");
-                    }
-                    return;
+                if current && !leaving {
+                    debug!(%peer, reason = %why, "peer connection closed");
                 }
-                if current && !self.inner.stopping.load(Ordering::Relaxed) {
-                    let was_alive = self.inner.members.lock().expect("members").fail(&peer);
-                    if was_alive {
-                        warn!(%peer, reason = %why, "peer connection lost; peer marked dead");
-                    }
+                Input::Closed {
+                    node: peer,
+                    current: current && !self.inner.stopping.load(Ordering::Relaxed),
+                    leaving,
                 }
             }
-            MembershipMsg::Tick | MembershipMsg::AdvertiseNow | MembershipMsg::Crash => {}
+            MembershipMsg::Tick | MembershipMsg::AdvertiseNow | MembershipMsg::Crash => return,
+        };
+        let effects = self
+            .inner
+            .members
+            .lock()
+            .expect("members")
+            .step(input, Instant::now());
+        self.perform(effects);
+    }
+
+    /// Does what the membership table decided.
+    fn perform(&self, effects: Vec<Effect>) {
+        for e in effects {
+            match &e {
+                Effect::Dial { node, addr } => self.dial_peer(node.clone(), addr.clone()),
+                Effect::Close(peer) => {
+                    if let Some((_, conn)) = self.inner.conns.remove(peer) {
+                        conn.close(CLOSE_DEAD.into(), b"declared dead: no heartbeat");
+                    }
+                }
+                Effect::RedialSeeds { known } => self.redial_seeds(known.clone()),
+                Effect::Joined(peer) | Effect::Rejoined(peer) => {
+                    let what = if matches!(e, Effect::Joined(_)) {
+                        "joined"
+                    } else {
+                        "rejoined"
+                    };
+                    let m = self.inner.members.lock().expect("members");
+                    let found = m.all().find(|p| p.advert.node == *peer);
+                    if let Some(p) = found {
+                        let tiers: Vec<&str> =
+                            p.advert.tiers.iter().map(|t| t.name.as_str()).collect();
+                        info!(%peer, addr = %p.advert.quic_addr, ?tiers, roles = ?p.advert.roles,
+                            "peer {what}");
+                    }
+                }
+                Effect::Left(peer) => info!(%peer, "peer left"),
+                Effect::Died(peer, DeathCause::Silent) => {
+                    warn!(%peer, timeout_ms = self.inner.cfg.failure_timeout.as_millis() as u64,
+                        "no heartbeat; peer declared dead");
+                }
+                Effect::Died(peer, DeathCause::ConnectionLost) => {
+                    warn!(%peer, "peer connection lost; peer marked dead");
+                }
+            }
+        }
+    }
+
+    /// Dials again, in the background, every seed that is not a live peer's address.
+    fn redial_seeds(&self, known: Vec<String>) {
+        let known: HashSet<String> = known.into_iter().collect();
+        for seed in &self.inner.cfg.seeds {
+            if self.seed_is_self(seed) {
+                continue;
+            }
+            let (c, seed, known) = (self.clone(), seed.clone(), known.clone());
+            self.inner
+                .tasks
+                .spawn("quic-dial", Life::Short, async move {
+                    let seed_known = tokio::net::lookup_host(seed.as_str())
+                        .await
+                        .map(|mut a| a.any(|a| known.contains(&a.to_string())))
+                        .unwrap_or(false);
+                    if !seed_known {
+                        if let Ok(peer) = c.dial_seed(&seed).await {
+                            debug!(%seed, %peer, "re-dialed seed");
+                        }
+                    }
+                });
         }
     }
 
@@ -647,53 +691,17 @@ impl Cluster {
         }
     }
 
-    /// One heartbeat period: adverts out, dead peers swept, seeds re-dialed every 8th.
-    async fn tick(&self, n: u64) {
+    /// One heartbeat period: adverts out, then the table's verdicts (peers gone quiet,
+    /// seeds to re-dial).
+    async fn tick(&self) {
         self.heartbeat_all(true).await;
-        let dead = self
+        let effects = self
             .inner
             .members
             .lock()
             .expect("members")
-            .sweep(Instant::now(), self.inner.cfg.failure_timeout);
-        for peer in dead {
-            warn!(%peer, timeout_ms = self.inner.cfg.failure_timeout.as_millis() as u64,
-                "no heartbeat; peer declared dead");
-            if let Some((_, conn)) = self.inner.conns.remove(&peer) {
-                conn.close(CLOSE_DEAD.into(), b"declared dead: no heartbeat");
-            }
-        }
-        // Seeds that restarted (or were down when we started) are dialed again.
-        if n % 8 == 0 {
-            let known: HashSet<String> = self
-                .inner
-                .members
-                .lock()
-                .expect("members")
-                .alive()
-                .map(|p| p.advert.quic_addr.clone())
-                .collect();
-            for seed in &self.inner.cfg.seeds {
-                if self.seed_is_self(seed) {
-                    continue;
-                }
-                let seed_known = tokio::net::lookup_host(seed.as_str())
-                    .await
-                    .map(|mut a| a.any(|a| known.contains(&a.to_string())))
-                    .unwrap_or(false);
-                if !seed_known {
-                    let c = self.clone();
-                    let seed = seed.clone();
-                    self.inner
-                        .tasks
-                        .spawn("quic-dial", Life::Short, async move {
-                            if let Ok(peer) = c.dial_seed(&seed).await {
-                                debug!(%seed, %peer, "re-dialed seed");
-                            }
-                        });
-                }
-            }
-        }
+            .step(Input::Tick, Instant::now());
+        self.perform(effects);
     }
 
     /// Serves one call stream from `peer`.
@@ -1375,7 +1383,6 @@ pub struct MembershipActor;
 #[derive(Debug)]
 pub struct MembershipState {
     cluster: Cluster,
-    ticks: u64,
     timer: Option<tokio::task::JoinHandle<()>>,
 }
 
@@ -1391,7 +1398,6 @@ impl Actor for MembershipActor {
     ) -> Result<MembershipState, ActorProcessingErr> {
         Ok(MembershipState {
             cluster,
-            ticks: 0,
             timer: None,
         })
     }
@@ -1430,8 +1436,7 @@ impl Actor for MembershipActor {
                 if state.cluster.inner.stopping.load(Ordering::Relaxed) {
                     return Ok(());
                 }
-                state.ticks += 1;
-                state.cluster.tick(state.ticks).await;
+                state.cluster.tick().await;
             }
             MembershipMsg::AdvertiseNow => state.cluster.heartbeat_all(true).await,
             MembershipMsg::Crash => panic!("membership: crash injected"),

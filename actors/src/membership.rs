@@ -1,6 +1,9 @@
 //! The membership table: who is in the cluster, what they host, who has gone
-//! quiet. Pure logic (time is passed in); the membership actor
-//! ([`crate::cluster::MembershipActor`]) feeds it heartbeats and sweeps it every heartbeat.
+//! quiet. A deterministic state machine (time is passed in): [`Membership::step`] takes an
+//! [`Input`] (a heartbeat, a leave, a closed connection, a period's tick) and returns the
+//! [`Effect`]s the driver performs (dial a peer, close a dead peer's connection, re-dial
+//! the seeds, report a change). The driver is the membership actor
+//! ([`crate::cluster::MembershipActor`]), which owns the connections and the timer.
 //!
 //! ```text
 //!            heartbeat                 no heartbeat for failure_timeout
@@ -51,6 +54,66 @@ pub enum Change {
     Updated,
 }
 
+/// What happens to the table.
+#[derive(Debug, Clone)]
+pub enum Input {
+    /// A heartbeat from `advert.node` (its certificate checked by the driver).
+    Heartbeat(NodeAdvert),
+    /// The peer said goodbye.
+    Leave(String),
+    /// A connection to the peer closed.
+    Closed {
+        /// The peer.
+        node: String,
+        /// It was the connection the driver held for the peer (not an older one).
+        current: bool,
+        /// The peer closed it while leaving.
+        leaving: bool,
+    },
+    /// One heartbeat period passed (the driver has sent this node's heartbeats).
+    Tick,
+}
+
+/// Why a peer was declared dead.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DeathCause {
+    /// No heartbeat for the failure timeout.
+    Silent,
+    /// Its connection closed.
+    ConnectionLost,
+}
+
+/// What the driver does after a [`Membership::step`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Effect {
+    /// Connect to a peer gossip named that this node has no live entry for.
+    Dial {
+        /// The peer.
+        node: String,
+        /// Its QUIC address.
+        addr: String,
+    },
+    /// Close the connection to a peer declared dead for silence.
+    Close(String),
+    /// Dial again every seed that is none of these live peers' addresses (every
+    /// [`SEED_PERIODS`] periods: seeds that restarted or were down at start).
+    RedialSeeds {
+        /// QUIC addresses of the live peers.
+        known: Vec<String>,
+    },
+    /// A peer joined (first seen).
+    Joined(String),
+    /// A peer came back (after death or departure, or restarted).
+    Rejoined(String),
+    /// A peer left gracefully.
+    Left(String),
+    /// A peer was declared dead.
+    Died(String, DeathCause),
+}
+
+/// Seeds are re-dialed every this many periods.
+pub const SEED_PERIODS: u64 = 8;
+
 /// The table.
 #[derive(Debug)]
 pub struct Membership {
@@ -58,20 +121,84 @@ pub struct Membership {
     peers: BTreeMap<String, Peer>,
     /// Every tier name a peer has advertised, also after it stopped (an engine restarting).
     hosted: BTreeSet<String>,
+    /// Silence after which a peer is declared dead.
+    failure_timeout: Duration,
+    /// Periods ticked.
+    ticks: u64,
 }
 
 impl Membership {
-    /// Empty table for node `me`.
-    pub fn new(me: impl Into<String>) -> Self {
+    /// Empty table for node `me`, declaring peers dead after `failure_timeout` of silence.
+    pub fn new(me: impl Into<String>, failure_timeout: Duration) -> Self {
         Self {
             me: me.into(),
             peers: BTreeMap::new(),
             hosted: BTreeSet::new(),
+            failure_timeout,
+            ticks: 0,
+        }
+    }
+
+    /// Applies `input` at `now`; returns what the driver must do, in order.
+    pub fn step(&mut self, input: Input, now: Instant) -> Vec<Effect> {
+        match input {
+            Input::Heartbeat(advert) => {
+                let node = advert.node.clone();
+                let mut out: Vec<Effect> = self
+                    .unknown(&advert)
+                    .into_iter()
+                    .map(|p| Effect::Dial {
+                        node: p.node,
+                        addr: p.quic_addr,
+                    })
+                    .collect();
+                match self.heartbeat(advert, now) {
+                    Change::Joined => out.insert(0, Effect::Joined(node)),
+                    Change::Rejoined => out.insert(0, Effect::Rejoined(node)),
+                    Change::Updated => {}
+                }
+                out
+            }
+            Input::Leave(node) => {
+                if self.leave(&node) {
+                    vec![Effect::Left(node)]
+                } else {
+                    vec![]
+                }
+            }
+            Input::Closed {
+                node,
+                current,
+                leaving,
+            } => {
+                if leaving {
+                    if self.leave(&node) {
+                        return vec![Effect::Left(node)];
+                    }
+                } else if current && self.fail(&node) {
+                    return vec![Effect::Died(node, DeathCause::ConnectionLost)];
+                }
+                vec![]
+            }
+            Input::Tick => {
+                self.ticks += 1;
+                let mut out = vec![];
+                for node in self.sweep(now, self.failure_timeout) {
+                    out.push(Effect::Died(node.clone(), DeathCause::Silent));
+                    out.push(Effect::Close(node));
+                }
+                if self.ticks % SEED_PERIODS == 0 {
+                    out.push(Effect::RedialSeeds {
+                        known: self.alive().map(|p| p.advert.quic_addr.clone()).collect(),
+                    });
+                }
+                out
+            }
         }
     }
 
     /// Records a heartbeat.
-    pub fn heartbeat(&mut self, advert: NodeAdvert, now: Instant) -> Change {
+    fn heartbeat(&mut self, advert: NodeAdvert, now: Instant) -> Change {
         for t in &advert.tiers {
             if !self.hosted.contains(&t.name) {
                 self.hosted.insert(t.name.clone());
@@ -107,7 +234,7 @@ impl Membership {
     }
 
     /// Records a graceful leave; true if the node was alive.
-    pub fn leave(&mut self, node: &str) -> bool {
+    fn leave(&mut self, node: &str) -> bool {
         match self.peers.get_mut(node) {
             Some(p) if p.state == PeerState::Alive => {
                 p.state = PeerState::Left;
@@ -118,7 +245,7 @@ impl Membership {
     }
 
     /// Marks a peer dead now (its connection closed); true if it was alive.
-    pub fn fail(&mut self, node: &str) -> bool {
+    fn fail(&mut self, node: &str) -> bool {
         match self.peers.get_mut(node) {
             Some(p) if p.state == PeerState::Alive => {
                 p.state = PeerState::Dead;
@@ -129,7 +256,7 @@ impl Membership {
     }
 
     /// Marks peers silent for longer than `timeout` dead; returns them.
-    pub fn sweep(&mut self, now: Instant, timeout: Duration) -> Vec<String> {
+    fn sweep(&mut self, now: Instant, timeout: Duration) -> Vec<String> {
         let mut dead = vec![];
         for (name, p) in &mut self.peers {
             if p.state == PeerState::Alive && now.saturating_duration_since(p.last_seen) > timeout {
@@ -157,7 +284,7 @@ impl Membership {
     }
 
     /// Peers named in `advert` that this node has no live entry for (candidates to dial).
-    pub fn unknown(&self, advert: &NodeAdvert) -> Vec<PeerAddr> {
+    fn unknown(&self, advert: &NodeAdvert) -> Vec<PeerAddr> {
         advert
             .peers
             .iter()
@@ -213,7 +340,7 @@ mod tests {
     fn lifecycle() {
         let t0 = Instant::now();
         let to = Duration::from_secs(2);
-        let mut m = Membership::new("a");
+        let mut m = Membership::new("a", Duration::from_secs(5));
         assert_eq!(m.heartbeat(advert("b", 1, &[]), t0), Change::Joined);
         assert_eq!(
             m.heartbeat(advert("b", 1, &[]), t0 + Duration::from_secs(1)),
@@ -247,7 +374,7 @@ mod tests {
     #[test]
     fn a_tier_stays_known_after_its_advert_drops_it() {
         let t0 = Instant::now();
-        let mut m = Membership::new("a");
+        let mut m = Membership::new("a", Duration::from_secs(5));
         let mut b = advert("b", 1, &[]);
         b.tiers.push(crate::wire::TierAdvert {
             name: "t1".into(),
@@ -274,7 +401,7 @@ mod tests {
     #[test]
     fn gossip_finds_unknown_peers_but_not_self() {
         let t0 = Instant::now();
-        let mut m = Membership::new("a");
+        let mut m = Membership::new("a", Duration::from_secs(5));
         m.heartbeat(advert("b", 1, &["a", "c"]), t0);
         let unknown: Vec<String> = m
             .unknown(&advert("b", 1, &["a", "c", "b"]))
@@ -286,5 +413,267 @@ mod tests {
         assert!(m.fail("b"));
         assert_eq!(m.unknown(&advert("c", 1, &["b"])).len(), 1);
         assert!(m.gossip().is_empty());
+    }
+
+    #[test]
+    fn a_new_peers_heartbeat_reports_it_and_dials_the_peers_it_names() {
+        let mut m = Membership::new("a", Duration::from_secs(2));
+        let effects = m.step(
+            Input::Heartbeat(advert("b", 1, &["a", "c"])),
+            Instant::now(),
+        );
+        assert_eq!(
+            effects,
+            vec![
+                Effect::Joined("b".into()),
+                Effect::Dial {
+                    node: "c".into(),
+                    addr: "c:1".into()
+                }
+            ]
+        );
+    }
+
+    #[test]
+    fn a_tick_after_the_timeout_declares_the_silent_peer_dead_and_closes_it() {
+        let t0 = Instant::now();
+        let mut m = Membership::new("a", Duration::from_secs(2));
+        m.step(Input::Heartbeat(advert("b", 1, &[])), t0);
+        assert!(m.step(Input::Tick, t0 + Duration::from_secs(2)).is_empty());
+        assert_eq!(
+            m.step(Input::Tick, t0 + Duration::from_millis(2001)),
+            vec![
+                Effect::Died("b".into(), DeathCause::Silent),
+                Effect::Close("b".into())
+            ]
+        );
+    }
+
+    #[test]
+    fn only_the_current_connection_closing_kills_a_peer() {
+        let t0 = Instant::now();
+        let mut m = Membership::new("a", Duration::from_secs(2));
+        m.step(Input::Heartbeat(advert("b", 1, &[])), t0);
+        let closed = |current, leaving| Input::Closed {
+            node: "b".into(),
+            current,
+            leaving,
+        };
+        assert!(m.step(closed(false, false), t0).is_empty());
+        assert_eq!(
+            m.step(closed(true, false), t0),
+            vec![Effect::Died("b".into(), DeathCause::ConnectionLost)]
+        );
+        m.step(Input::Heartbeat(advert("b", 1, &[])), t0);
+        assert_eq!(
+            m.step(closed(true, true), t0),
+            vec![Effect::Left("b".into())]
+        );
+    }
+
+    #[test]
+    fn seeds_are_redialed_every_eighth_period_with_the_live_addresses() {
+        let t0 = Instant::now();
+        let mut m = Membership::new("a", Duration::from_secs(60));
+        m.step(Input::Heartbeat(advert("b", 1, &[])), t0);
+        let want = Effect::RedialSeeds {
+            known: vec!["b:1".into()],
+        };
+        let redials: Vec<u64> = (1..=24)
+            .filter(|_| m.step(Input::Tick, t0).contains(&want))
+            .collect();
+        assert_eq!(redials, vec![8, 16, 24]);
+    }
+
+    /// Nodes running the real table over a simulated full-mesh network: each period every
+    /// node up sends its heartbeat over each connection it holds (each lost with
+    /// probability `loss`), then ticks; effects dial, close and report as the driver would.
+    struct Sim {
+        tables: Vec<Membership>,
+        up: Vec<bool>,
+        started: Vec<u64>,
+        conns: Vec<BTreeSet<usize>>,
+        /// (period, observer, dead node) for every death reported.
+        deaths: Vec<(u64, usize, usize)>,
+        loss: f64,
+        rng: u64,
+        period: u64,
+        t0: Instant,
+    }
+
+    const PERIOD: Duration = Duration::from_millis(250);
+    const TIMEOUT: Duration = Duration::from_secs(2);
+
+    impl Sim {
+        /// `n` nodes, each connected to node 0 (its seed), not yet to each other.
+        fn new(n: usize, loss: f64, seed: u64) -> Self {
+            let mut conns = vec![BTreeSet::new(); n];
+            for i in 1..n {
+                conns[0].insert(i);
+                conns[i].insert(0);
+            }
+            Self {
+                tables: (0..n)
+                    .map(|i| Membership::new(format!("n{i}"), TIMEOUT))
+                    .collect(),
+                up: vec![true; n],
+                started: vec![1; n],
+                conns,
+                deaths: vec![],
+                loss,
+                rng: seed,
+                period: 0,
+                t0: Instant::now(),
+            }
+        }
+
+        /// splitmix64: a uniform draw in [0, 1).
+        fn draw(&mut self) -> f64 {
+            self.rng = self.rng.wrapping_add(0x9E37_79B9_7F4A_7C15);
+            let mut z = self.rng;
+            z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+            z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+            ((z ^ (z >> 31)) >> 11) as f64 / (1u64 << 53) as f64
+        }
+
+        fn index(name: &str) -> usize {
+            name[1..].parse().unwrap()
+        }
+
+        fn connect(&mut self, a: usize, b: usize) {
+            if a != b && self.up[b] {
+                self.conns[a].insert(b);
+                self.conns[b].insert(a);
+            }
+        }
+
+        fn perform(&mut self, at: usize, effects: Vec<Effect>, now: Instant) {
+            for e in effects {
+                match e {
+                    Effect::Dial { node, .. } => self.connect(at, Self::index(&node)),
+                    Effect::Close(node) => {
+                        let other = Self::index(&node);
+                        self.conns[at].remove(&other);
+                        if self.conns[other].remove(&at) && self.up[other] {
+                            let closed = Input::Closed {
+                                node: format!("n{at}"),
+                                current: true,
+                                leaving: false,
+                            };
+                            let more = self.tables[other].step(closed, now);
+                            self.perform(other, more, now);
+                        }
+                    }
+                    Effect::RedialSeeds { known } => {
+                        if at != 0 && !known.contains(&"n0".to_owned()) {
+                            self.connect(at, 0);
+                        }
+                    }
+                    Effect::Died(node, _) => {
+                        self.deaths.push((self.period, at, Self::index(&node)));
+                    }
+                    Effect::Joined(_) | Effect::Rejoined(_) | Effect::Left(_) => {}
+                }
+            }
+        }
+
+        fn advert_of(&self, i: usize) -> NodeAdvert {
+            let mut a = advert(&format!("n{i}"), self.started[i], &[]);
+            a.quic_addr = format!("n{i}");
+            a.peers = self.tables[i].gossip();
+            a
+        }
+
+        fn run(&mut self, periods: u64) {
+            for _ in 0..periods {
+                self.period += 1;
+                let now = self.t0 + PERIOD * self.period as u32;
+                let n = self.tables.len();
+                for i in 0..n {
+                    if !self.up[i] {
+                        continue;
+                    }
+                    let advert = self.advert_of(i);
+                    for j in self.conns[i].clone() {
+                        if self.draw() < self.loss || !self.up[j] {
+                            continue;
+                        }
+                        let effects = self.tables[j].step(Input::Heartbeat(advert.clone()), now);
+                        self.perform(j, effects, now);
+                    }
+                }
+                for i in 0..n {
+                    if !self.up[i] {
+                        continue;
+                    }
+                    let effects = self.tables[i].step(Input::Tick, now);
+                    self.perform(i, effects, now);
+                }
+            }
+        }
+
+        /// Whether every node up sees every other node up alive, and no other.
+        fn converged(&self) -> bool {
+            (0..self.tables.len()).filter(|i| self.up[*i]).all(|i| {
+                let alive: BTreeSet<usize> = self.tables[i]
+                    .alive()
+                    .map(|p| Self::index(&p.advert.node))
+                    .collect();
+                alive
+                    == (0..self.tables.len())
+                        .filter(|j| *j != i && self.up[*j])
+                        .collect()
+            })
+        }
+    }
+
+    #[test]
+    fn nodes_joining_through_one_seed_all_see_each_other_within_three_periods() {
+        let mut sim = Sim::new(32, 0.0, 1);
+        sim.run(3);
+        assert!(sim.converged());
+        assert!(sim.conns.iter().all(|c| c.len() == 31));
+    }
+
+    #[test]
+    fn no_peer_is_declared_dead_in_ten_thousand_periods_at_one_percent_loss() {
+        let mut sim = Sim::new(16, 0.01, 7);
+        sim.run(10_000);
+        assert_eq!(sim.deaths, vec![]);
+        assert!(sim.converged());
+    }
+
+    #[test]
+    fn a_crashed_node_is_declared_dead_by_every_peer_within_the_timeout_and_a_period() {
+        let mut sim = Sim::new(16, 0.01, 11);
+        sim.run(20);
+        let crashed_at = sim.period;
+        sim.up[5] = false;
+        sim.run(20);
+        let seen: BTreeSet<usize> = sim.deaths.iter().map(|d| d.1).collect();
+        assert_eq!(seen, (0..16).filter(|i| *i != 5).collect());
+        let limit = (TIMEOUT.as_millis() / PERIOD.as_millis()) as u64 + 1;
+        for (period, observer, dead) in &sim.deaths {
+            assert_eq!(*dead, 5, "n{observer} declared n{dead} dead");
+            assert!(
+                period - crashed_at <= limit,
+                "n{observer} after {} periods",
+                period - crashed_at
+            );
+        }
+        assert!(sim.converged());
+    }
+
+    #[test]
+    fn false_deaths_under_heavy_loss_heal_once_the_loss_stops() {
+        let mut sim = Sim::new(16, 0.5, 3);
+        sim.run(2_000);
+        assert!(
+            !sim.deaths.is_empty(),
+            "50% loss caused no false death: the test proves nothing"
+        );
+        sim.loss = 0.0;
+        sim.run(3 * SEED_PERIODS);
+        assert!(sim.converged());
     }
 }
