@@ -1082,15 +1082,43 @@ impl Cluster {
         out
     }
 
-    /// Live peers hosting `tier`, with their adverts for it.
-    pub fn tier_adverts(&self, tier: &str) -> Vec<(String, TierAdvert)> {
-        self.from_live(|a| a.tiers.iter().find(|t| t.name == tier).cloned())
+    /// The salt base and block size a live peer advertises for `tier`'s pages (a node
+    /// without the tier computes page ids with them).
+    pub fn page_params(&self, tier: &str) -> Option<(Vec<u8>, u32)> {
+        let m = self.inner.members.lock().expect("members");
+        let found = m.alive().find_map(|p| {
+            let t = p
+                .advert
+                .tiers
+                .iter()
+                .find(|t| t.name == tier && t.page_block > 0)?;
+            Some((t.page_base.clone(), t.page_block))
+        });
+        found
     }
 
-    /// Live peers whose store holds pages of namespace `ns` beside their tiers (store
-    /// nodes), with those pages.
-    pub fn store_pages(&self, ns: &str) -> Vec<(String, NamespacePages)> {
-        self.from_live(|a| a.pages.iter().find(|n| n.ns == ns).cloned())
+    /// Connected live peers holding the first of `ids` (short page ids of namespace `ns`
+    /// with salt base `base` and `block` tokens a page, as their tiers or stores
+    /// advertised them), each with how many leading pages of `ids` it holds. Read in place
+    /// from the membership table's page index.
+    pub fn prefix_runs(
+        &self,
+        ns: &str,
+        base: &[u8],
+        block: u32,
+        ids: &[u64],
+    ) -> Vec<(String, usize)> {
+        let space = mesh_kvstore::PageSpace {
+            ns: ns.to_owned(),
+            base: base.to_vec(),
+            block,
+        };
+        let m = self.inner.members.lock().expect("members");
+        m.prefix_runs(&space, ids)
+            .into_iter()
+            .filter(|(n, _)| self.inner.conns.contains_key(*n))
+            .map(|(n, run)| (n.to_owned(), run))
+            .collect()
     }
 
     /// Live peers that export actor `actor`, best first (fewest in flight from here).

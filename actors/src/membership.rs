@@ -17,6 +17,8 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::time::{Duration, Instant};
 
+use mesh_kvstore::{PageSpace, PrefixIndex};
+
 use crate::wire::{NodeAdvert, PeerAddr};
 
 /// Liveness of a peer.
@@ -121,6 +123,8 @@ pub struct Membership {
     peers: BTreeMap<String, Peer>,
     /// Every tier name a peer has advertised, also after it stopped (an engine restarting).
     hosted: BTreeSet<String>,
+    /// Every live peer's advertised pages (its tiers' and its store's), for routing.
+    index: PrefixIndex,
     /// Silence after which a peer is declared dead.
     failure_timeout: Duration,
     /// Periods ticked.
@@ -134,6 +138,7 @@ impl Membership {
             me: me.into(),
             peers: BTreeMap::new(),
             hosted: BTreeSet::new(),
+            index: PrefixIndex::new(),
             failure_timeout,
             ticks: 0,
         }
@@ -204,6 +209,13 @@ impl Membership {
                 self.hosted.insert(t.name.clone());
             }
         }
+        let changed = self
+            .peers
+            .get(&advert.node)
+            .is_none_or(|p| p.state != PeerState::Alive || !same_pages(&p.advert, &advert));
+        if changed {
+            self.index.set_node(&advert.node, spaces(&advert));
+        }
         match self.peers.get_mut(&advert.node) {
             None => {
                 self.peers.insert(
@@ -238,6 +250,7 @@ impl Membership {
         match self.peers.get_mut(node) {
             Some(p) if p.state == PeerState::Alive => {
                 p.state = PeerState::Left;
+                self.index.remove_node(node);
                 true
             }
             _ => false,
@@ -249,6 +262,7 @@ impl Membership {
         match self.peers.get_mut(node) {
             Some(p) if p.state == PeerState::Alive => {
                 p.state = PeerState::Dead;
+                self.index.remove_node(node);
                 true
             }
             _ => false,
@@ -264,7 +278,16 @@ impl Membership {
                 dead.push(name.clone());
             }
         }
+        for name in &dead {
+            self.index.remove_node(name);
+        }
         dead
+    }
+
+    /// The live peers' pages: which of them hold how many leading pages of `ids` in
+    /// `space` (see [`PrefixIndex::runs`]).
+    pub fn prefix_runs(&self, space: &PageSpace, ids: &[u64]) -> Vec<(&str, usize)> {
+        self.index.runs(space, ids)
     }
 
     /// Alive peers.
@@ -307,6 +330,42 @@ impl Membership {
             })
             .collect()
     }
+}
+
+/// The page sets an advert lists: each tier's own, and a store's beside them.
+fn spaces(a: &NodeAdvert) -> impl Iterator<Item = (PageSpace, &[u64])> {
+    let tiers = a.tiers.iter().filter(|t| t.page_block > 0).map(|t| {
+        (
+            space(&t.name, &t.page_base, t.page_block),
+            t.pages.as_slice(),
+        )
+    });
+    let stores = a
+        .pages
+        .iter()
+        .map(|p| (space(&p.ns, &p.base, p.block), p.ids.as_slice()));
+    tiers.chain(stores)
+}
+
+fn space(ns: &str, base: &[u8], block: u32) -> PageSpace {
+    PageSpace {
+        ns: ns.to_owned(),
+        base: base.to_vec(),
+        block,
+    }
+}
+
+/// Whether two adverts list the same pages (most heartbeats: nothing was stored).
+fn same_pages(a: &NodeAdvert, b: &NodeAdvert) -> bool {
+    fn tiers(x: &NodeAdvert) -> impl Iterator<Item = (&String, &Vec<u8>, u32, &Vec<u64>)> {
+        x.tiers
+            .iter()
+            .map(|t| (&t.name, &t.page_base, t.page_block, &t.pages))
+    }
+    fn stores(x: &NodeAdvert) -> impl Iterator<Item = (&String, &Vec<u8>, u32, &Vec<u64>)> {
+        x.pages.iter().map(|p| (&p.ns, &p.base, p.block, &p.ids))
+    }
+    tiers(a).eq(tiers(b)) && stores(a).eq(stores(b))
 }
 
 #[cfg(test)]
@@ -413,6 +472,26 @@ mod tests {
         assert!(m.fail("b"));
         assert_eq!(m.unknown(&advert("c", 1, &["b"])).len(), 1);
         assert!(m.gossip().is_empty());
+    }
+
+    #[test]
+    fn a_dead_peers_pages_leave_the_index_until_it_is_heard_again() {
+        let t0 = Instant::now();
+        let mut m = Membership::new("a", Duration::from_secs(2));
+        let mut b = advert("b", 1, &[]);
+        b.pages.push(crate::wire::NamespacePages {
+            ns: "t1".into(),
+            ids: vec![5, 6],
+            base: vec![1; 32],
+            block: 16,
+        });
+        let t1 = space("t1", &[1; 32], 16);
+        m.step(Input::Heartbeat(b.clone()), t0);
+        assert_eq!(m.prefix_runs(&t1, &[5, 6, 7]), vec![("b", 2)]);
+        m.step(Input::Tick, t0 + Duration::from_secs(3));
+        assert_eq!(m.prefix_runs(&t1, &[5, 6, 7]), vec![]);
+        m.step(Input::Heartbeat(b), t0 + Duration::from_secs(4));
+        assert_eq!(m.prefix_runs(&t1, &[5, 6, 7]), vec![("b", 2)]);
     }
 
     #[test]

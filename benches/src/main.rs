@@ -17,6 +17,7 @@ mod decode;
 mod fabric;
 mod fleet;
 mod gguf;
+mod index;
 mod levels;
 mod machine;
 mod mooncake;
@@ -74,6 +75,9 @@ enum Command {
     Proxy(proxy::ProxyArgs),
     /// The results page (docs/benchmarks.md) with PNG plots, from decode and sessions JSONs.
     Report(page::ReportArgs),
+    /// Routing lookups of a prompt's prefix pages across a synthetic fleet: the peers' page
+    /// index vs a hash set of each candidate's advertised ids per request.
+    Index(index::IndexArgs),
 }
 
 #[tokio::main(flavor = "current_thread")]
@@ -91,5 +95,6 @@ async fn main() -> anyhow::Result<()> {
         Command::Fleet(args) => fleet::run(args).await,
         Command::Proxy(args) => proxy::run(args).await,
         Command::Report(args) => page::run(args),
+        Command::Index(args) => index::run(args).await,
     }
 }

@@ -4,6 +4,7 @@
 //! - [`codec`]: cut llama.cpp's per-sequence state into per-block pages and
 //!   reassemble any prefix into a restorable state (format in `shared/KV-STATE-NOTES.md`).
 //! - [`page`]: the stored form of a page (header with id, salt and checksum).
+//! - [`index`]: which peers hold which pages, one index over all of them for routing.
 //! - [`store`]: RAM, far-memory and disk tiers with budgets, LRU eviction, dedup,
 //!   corruption refusal.
 //! - [`far`]: the allocator interface of the far-memory tier (a CPU-less NUMA node such
@@ -20,6 +21,7 @@ pub mod backend;
 pub mod codec;
 pub mod far;
 pub mod id;
+pub mod index;
 pub mod page;
 pub mod store;
 
@@ -27,5 +29,6 @@ pub use backend::{PageBackend, PageStoreOpener};
 pub use codec::{assemble, parse, CodecError, Layout};
 pub use far::{FarMemory, FarMemoryError};
 pub use id::{chain, ModelFingerprint, PageId, Salt, SaltBase};
+pub use index::{PageSpace, PrefixIndex};
 pub use page::PageMeta;
 pub use store::{EvictSink, PageStore, StoreConfig, StoreStats};

@@ -10,7 +10,6 @@
 //! its deadline) instead of failing: a crashed engine on a single node delays its requests,
 //! it does not drop them.
 
-use std::collections::HashSet;
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::sync::Arc;
 use std::time::Duration;
@@ -263,20 +262,13 @@ impl Dispatcher {
         let (mut cands, local) = self.candidates(model);
         let usable = &prompt[..prompt.len().saturating_sub(1)];
         // Page ids from the local tier, else from a peer's advertised salt base.
-        let adverts = self
-            .cluster
-            .as_ref()
-            .map(|c| c.tier_adverts(model))
-            .unwrap_or_default();
         let params = local
             .as_ref()
             .and_then(|e| e.desc.pages.as_ref().map(|p| (p.base, p.block)))
             .or_else(|| {
-                adverts.iter().find_map(|(_, t)| {
-                    let base: [u8; 32] = t.page_base.as_slice().try_into().ok()?;
-                    (t.page_block > 0)
-                        .then_some((mesh_kvstore::SaltBase(base), t.page_block as usize))
-                })
+                let (base, block) = self.cluster.as_ref()?.page_params(model)?;
+                let base: [u8; 32] = base.as_slice().try_into().ok()?;
+                Some((mesh_kvstore::SaltBase(base), block as usize))
             });
         // With no peer to weigh against, the local tier takes it whatever it holds.
         let params = params.filter(|_| cands.iter().any(|c| !c.local));
@@ -287,23 +279,21 @@ impl Dispatcher {
             } else {
                 0
             };
+            let short: Vec<u64> = ids.iter().map(PageId::short).collect();
+            let peer_runs = self
+                .cluster
+                .as_ref()
+                .map(|c| c.prefix_runs(model, &base.0, block as u32, &short))
+                .unwrap_or_default();
             for c in &mut cands {
                 c.prompt_tokens = prompt.len() as u32;
                 let run = if c.local {
                     local_run
                 } else {
-                    adverts
+                    peer_runs
                         .iter()
-                        .find(|(n, t)| {
-                            n == &c.node && t.page_base == base.0 && t.page_block as usize == block
-                        })
-                        .map(|(_, t)| {
-                            let held: HashSet<u64> = t.pages.iter().copied().collect();
-                            ids.iter()
-                                .take_while(|id| held.contains(&id.short()))
-                                .count()
-                        })
-                        .unwrap_or(0)
+                        .find(|(n, _)| *n == c.node)
+                        .map_or(0, |(_, run)| *run)
                 };
                 c.cached_tokens = (run * block) as u32;
             }
@@ -584,26 +574,11 @@ pub async fn prefetch(d: &Dispatcher, model: &str, prompt: &[i32], scope: &str) 
     if local == ids.len() {
         return 0;
     }
-    let base = pages.base.0.to_vec();
-    let run_of = |held: &[u64]| {
-        let held: HashSet<u64> = held.iter().copied().collect();
-        ids.iter()
-            .take_while(|id| held.contains(&id.short()))
-            .count()
-    };
     // Peers serving the tier, and store nodes keeping its pages.
-    let tier_peers = cluster
-        .tier_adverts(model)
+    let short: Vec<u64> = ids.iter().map(PageId::short).collect();
+    let best = cluster
+        .prefix_runs(model, &pages.base.0, pages.block as u32, &short)
         .into_iter()
-        .filter(|(_, t)| t.page_base == base && t.page_block as usize == pages.block)
-        .map(|(n, t)| (n, run_of(&t.pages)));
-    let store_peers = cluster
-        .store_pages(model)
-        .into_iter()
-        .filter(|(_, p)| p.base == base && p.block as usize == pages.block)
-        .map(|(n, p)| (n, run_of(&p.ids)));
-    let best = tier_peers
-        .chain(store_peers)
         .filter(|(_, run)| *run > local)
         .max_by_key(|(_, run)| *run);
     let Some((node, run)) = best else { return 0 };
