@@ -873,8 +873,8 @@ async fn status(a: &StatusArgs) -> anyhow::Result<()> {
         return Ok(());
     }
     println!(
-        "{:<12} {:<7} {:<22} {:<22} {:>8} {:>9}  tiers (running/queued/slots)",
-        "NODE", "HEALTH", "QUIC", "GATEWAY", "UPTIME", "SEEN"
+        "{:<12} {:<7} {:>4} {:<22} {:<22} {:>8} {:>9}  tiers (running/queued/slots)",
+        "NODE", "HEALTH", "WIRE", "QUIC", "GATEWAY", "UPTIME", "SEEN"
     );
     for m in v["members"].as_array().into_iter().flatten() {
         let tiers: Vec<String> = m["tiers"]
@@ -897,9 +897,11 @@ async fn status(a: &StatusArgs) -> anyhow::Result<()> {
             if m["local"] == true { "*" } else { "" }
         );
         println!(
-            "{:<12} {:<7} {:<22} {:<22} {:>7}s {:>7}ms  {}",
+            "{:<12} {:<7} {:>4} {:<22} {:<22} {:>7}s {:>7}ms  {}",
             node,
             m["state"].as_str().unwrap_or("?"),
+            // The wire version of this node's connection to it (a rolling upgrade).
+            m["wire"].as_u64().map_or("-".to_owned(), |w| w.to_string()),
             m["quic_addr"].as_str().unwrap_or("-"),
             m["http_addr"].as_str().unwrap_or("-"),
             m["uptime_s"].as_u64().unwrap_or(0),

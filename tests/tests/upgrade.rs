@@ -2,7 +2,9 @@
 //! version (`MESH_WIRE_VERSION=9`, as the previous build) connect at the older version,
 //! and requests and KV page pulls cross between them.
 
-use mesh_tests::{certs, cluster_view, member_view, metric_total, post_json, wait_until, Node};
+use mesh_tests::{
+    certs, cluster_view, member_view, mesh, metric_total, post_json, wait_until, Node,
+};
 use serde_json::{json, Value};
 
 const OLD: (&str, &str) = ("MESH_WIRE_VERSION", "9");
@@ -57,6 +59,29 @@ async fn each_connection_speaks_the_newest_version_both_ends_know() {
             .map(Vec::len),
         Some(3)
     );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn mesh_status_shows_the_wire_version_of_each_member() {
+    let dir = tempfile::tempdir().unwrap();
+    let certs = certs(dir.path(), &["a", "b"]);
+    let a = Node::start("a", &certs, &[], "t1", &[]).expect("a");
+    let b = Node::start_with_env("b", &certs, &[&a.quic], "t1", &[], &[OLD]).expect("b");
+    let client = reqwest::Client::new();
+    formed(&client, &a.http, 2).await;
+    formed(&client, &b.http, 2).await;
+    let out = mesh(&["status", "--gateway", &a.http]);
+    assert!(out.status.success());
+    let table = String::from_utf8_lossy(&out.stdout);
+    let wire = |node: &str| {
+        table
+            .lines()
+            .find(|l| l.split_whitespace().next() == Some(node))
+            .and_then(|l| l.split_whitespace().nth(2))
+            .map(str::to_owned)
+    };
+    assert_eq!(wire("a*").as_deref(), Some("10"), "{table}");
+    assert_eq!(wire("b").as_deref(), Some("9"), "{table}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
