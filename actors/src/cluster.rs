@@ -30,15 +30,15 @@ use ractor::{Actor, ActorProcessingErr, ActorRef};
 use tokio::sync::mpsc;
 use tracing::{debug, info, warn};
 
-use crate::membership::{DeathCause, Effect, Input, Membership, PeerState};
+use crate::membership::{DeathCause, Effect, Input, Membership, PeerState, PAGE_LOG};
 use crate::remote::{self, CallContext, Exports, Protocol, Wire};
 use crate::routing::Candidate;
 use crate::supervisor::ActorSlot;
 use crate::tasks::{Life, Tasks};
 use crate::wire::{
     Answer, CallStatus, Capacity, Control, Envelope, ErrorClass, Event, GenerateCall, Header,
-    NamespacePages, NodeAdvert, PageBlob, RemoteError, Reply, Request, RouterCall, RouterItem,
-    StoreCall, StoreItem, TierAdvert, TierCall, TierItem,
+    NamespacePages, NodeAdvert, PageBlob, PageLogCall, PageLogEntry, PageLogItem, RemoteError,
+    Reply, Request, RouterCall, RouterItem, StoreCall, StoreItem, TierAdvert, TierCall, TierItem,
 };
 
 /// Connection close code when a peer is declared dead.
@@ -98,7 +98,17 @@ pub struct LocalAdvert {
     pub pages: Vec<NamespacePages>,
     /// Room for more tiers, and the tiers this node would start.
     pub capacity: Capacity,
+    /// Page events since the previous advert (sent once, to peers that follow them).
+    pub page_events: Option<PageLogEntry>,
+    /// The seq of this node's page events.
+    pub page_seq: u64,
+    /// Pages held, over every namespace (what a snapshot of the events lists).
+    pub pages_held: usize,
 }
+
+/// Periods without page events after which a node sends its seq anyway (an empty entry),
+/// so a peer that missed the last events notices.
+const PAGE_KEEPALIVE_PERIODS: u32 = 8;
 
 /// Builds this node's advert (the node reads its engines and asks its page store).
 pub type AdvertSource = Arc<dyn Fn() -> BoxFuture<'static, LocalAdvert> + Send + Sync>;
@@ -199,9 +209,17 @@ pub struct MemberView {
     pub build: String,
     /// Cross-node behaviours it offers ([`crate::wire::CAPABILITIES`]).
     pub capabilities: Vec<String>,
+    /// Its pages in this node's page index (for this node: the pages it holds).
+    pub pages_indexed: usize,
+    /// The seq of its page events this node has applied (for this node: its own seq);
+    /// `None` while this node does not follow them (an older peer, or no snapshot yet).
+    pub page_seq: Option<u64>,
     /// The wire version of this node's connection to it (for this node: the newest it
     /// speaks); `None` while not connected.
     pub wire: Option<u16>,
+    /// UDP bytes this node sent and received on its current connection to it (heartbeats,
+    /// page events, calls and page pulls; 0 for this node and while not connected).
+    pub udp_bytes: (u64, u64),
 }
 
 struct Inner {
@@ -222,6 +240,8 @@ struct Inner {
     /// Page pulls in flight, by a hash of (peer, tier, salt, page ids).
     pulls: DashMap<[u8; 32], PagePull>,
     stopping: AtomicBool,
+    /// Periods since page events were last sent.
+    quiet: AtomicU32,
     tasks: Tasks,
     membership: Arc<ActorSlot<MembershipMsg>>,
 }
@@ -315,6 +335,7 @@ impl Cluster {
             inflight: DashMap::new(),
             pulls: DashMap::new(),
             stopping: AtomicBool::new(false),
+            quiet: AtomicU32::new(0),
             tasks,
             membership: Arc::default(),
         });
@@ -534,6 +555,24 @@ impl Cluster {
                     leaving,
                 }
             }
+            MembershipMsg::Pages {
+                peer,
+                started_ms,
+                entry,
+            } => Input::Pages {
+                node: peer,
+                started_ms,
+                entry,
+            },
+            MembershipMsg::PageLog {
+                node,
+                started_ms,
+                entry,
+            } => Input::PageLog {
+                node,
+                started_ms,
+                entry,
+            },
             MembershipMsg::Tick | MembershipMsg::AdvertiseNow | MembershipMsg::Crash => return,
         };
         let effects = self
@@ -572,6 +611,11 @@ impl Cluster {
                     }
                 }
                 Effect::Left(peer) => info!(%peer, "peer left"),
+                Effect::FetchPages {
+                    node,
+                    started_ms,
+                    since,
+                } => self.fetch_page_log(node.clone(), *started_ms, *since),
                 Effect::Died(peer, DeathCause::Silent) => {
                     warn!(%peer, timeout_ms = self.inner.cfg.failure_timeout.as_millis() as u64,
                         "no heartbeat; peer declared dead");
@@ -638,6 +682,19 @@ impl Cluster {
                     self.membership_event(MembershipMsg::Leave { peer, conn });
                 }
             }
+            Control::Pages {
+                node,
+                started_ms,
+                entry,
+            } => {
+                if node == peer {
+                    self.membership_event(MembershipMsg::Pages {
+                        peer,
+                        started_ms,
+                        entry,
+                    });
+                }
+            }
         }
     }
 
@@ -680,8 +737,10 @@ impl Cluster {
 
     /// Rebuilds this node's advert when `refresh`, and sends it to every peer.
     async fn heartbeat_all(&self, refresh: bool) {
+        let mut events = None;
         if refresh {
-            let local = (self.inner.source)().await;
+            let mut local = (self.inner.source)().await;
+            events = Some((local.page_events.take(), local.page_seq));
             *self.inner.local.lock().expect("local advert") = local;
         }
         let msg = Control::Heartbeat(self.advert());
@@ -689,6 +748,79 @@ impl Cluster {
             let (conn, msg) = (e.value().clone(), msg.clone());
             tokio::spawn(async move { send_control(&conn, &msg).await });
         }
+        if let Some((entry, seq)) = events {
+            self.push_pages(entry, seq);
+        }
+    }
+
+    /// Sends this node's new page events to the live peers that follow them; when there
+    /// are none for [`PAGE_KEEPALIVE_PERIODS`], its seq alone.
+    fn push_pages(&self, entry: Option<PageLogEntry>, seq: u64) {
+        let entry = match entry {
+            Some(e) => e,
+            None if self.inner.quiet.fetch_add(1, Ordering::Relaxed) + 1
+                < PAGE_KEEPALIVE_PERIODS =>
+            {
+                return
+            }
+            None => PageLogEntry {
+                snapshot: false,
+                from: seq,
+                seq,
+                changes: vec![],
+            },
+        };
+        self.inner.quiet.store(0, Ordering::Relaxed);
+        let followers: Vec<String> = self
+            .inner
+            .members
+            .lock()
+            .expect("members")
+            .alive()
+            .filter(|p| p.advert.capabilities.iter().any(|c| c == PAGE_LOG))
+            .map(|p| p.advert.node.clone())
+            .collect();
+        let msg = Control::Pages {
+            node: self.inner.me.clone(),
+            started_ms: self.inner.started_ms,
+            entry,
+        };
+        for f in followers {
+            if let Some(conn) = self.inner.conns.get(&f).map(|c| c.clone()) {
+                let msg = msg.clone();
+                tokio::spawn(async move { send_control(&conn, &msg).await });
+            }
+        }
+    }
+
+    /// Asks `node` for its page events after `since` (a snapshot for `None`) and hands
+    /// the answer to the membership table.
+    fn fetch_page_log(&self, node: String, started_ms: u64, since: Option<u64>) {
+        let c = self.clone();
+        self.inner
+            .tasks
+            .spawn("page-log-fetch", Life::Short, async move {
+                let call = PageLogCall::Since { seq: since };
+                let got = c
+                    .ask::<crate::pagestore::PageLogProtocol>(
+                        &node,
+                        &call,
+                        c.inner.cfg.call_timeout,
+                    )
+                    .await;
+                let entry = match got {
+                    Ok(PageLogItem::Entry(e)) => Some(e),
+                    Err(e) => {
+                        debug!(peer = %node, error = %e, "fetching page events failed");
+                        None
+                    }
+                };
+                c.membership_event(MembershipMsg::PageLog {
+                    node,
+                    started_ms,
+                    entry,
+                });
+            });
     }
 
     /// One heartbeat period: adverts out, then the table's verdicts (peers gone quiet,
@@ -1266,7 +1398,10 @@ impl Cluster {
             capacity: local.capacity,
             build: BUILD.to_owned(),
             capabilities: capabilities(),
+            pages_indexed: local.pages_held,
+            page_seq: Some(local.page_seq),
             wire: Some(frame::newest_spoken()),
+            udp_bytes: (0, 0),
         };
         let m = self.inner.members.lock().expect("members");
         std::iter::once(me)
@@ -1295,11 +1430,17 @@ impl Cluster {
                     capacity: p.advert.capacity.clone(),
                     build: p.advert.build.clone(),
                     capabilities: p.advert.capabilities.clone(),
+                    pages_indexed: m.pages_indexed(&p.advert.node),
+                    page_seq: m.page_seq(&p.advert.node),
                     wire: self
                         .inner
                         .conns
                         .get(&p.advert.node)
                         .map(|c| wire_version(&c)),
+                    udp_bytes: self.inner.conns.get(&p.advert.node).map_or((0, 0), |c| {
+                        let s = c.stats();
+                        (s.udp_tx.bytes, s.udp_rx.bytes)
+                    }),
                 }
             }))
             .collect()
@@ -1346,13 +1487,22 @@ fn refuse(peer: &str, e: &FrameError) {
 }
 
 async fn send_control(conn: &quinn::Connection, msg: &Control) {
+    // A version-9 peer reads the advert without the build and capabilities, and gets no
+    // page events.
+    let version = wire_version(conn);
+    let old = match version {
+        9 => match crate::wire::v9::Control::try_from(msg.clone()) {
+            Ok(old) => Some(old),
+            Err(_) => return,
+        },
+        _ => None,
+    };
     let Ok(mut s) = conn.open_uni().await else {
         return;
     };
-    // A version-9 peer reads the advert without the build and capabilities.
-    let written = match wire_version(conn) {
-        9 => write_frame_as(&mut s, &crate::wire::v9::Control::from(msg.clone()), 9).await,
-        v => write_frame_as(&mut s, msg, v).await,
+    let written = match &old {
+        Some(old) => write_frame_as(&mut s, old, 9).await,
+        None => write_frame_as(&mut s, msg, version).await,
     };
     if written.is_ok() {
         let _ = s.finish();
@@ -1394,6 +1544,24 @@ pub enum MembershipMsg {
         why: String,
         /// The peer closed it while leaving.
         leaving: bool,
+    },
+    /// A peer's page events arrived.
+    Pages {
+        /// The peer.
+        peer: String,
+        /// Its process start time.
+        started_ms: u64,
+        /// The events.
+        entry: PageLogEntry,
+    },
+    /// The answer to a fetch of a peer's page events (`None`: the call failed).
+    PageLog {
+        /// The peer.
+        node: String,
+        /// Its process start time when asked.
+        started_ms: u64,
+        /// The events or snapshot.
+        entry: Option<PageLogEntry>,
     },
     /// Send this node's advert now (a tier started or stopped).
     AdvertiseNow,

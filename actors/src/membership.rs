@@ -19,7 +19,10 @@ use std::time::{Duration, Instant};
 
 use mesh_kvstore::{PageSpace, PrefixIndex};
 
-use crate::wire::{NodeAdvert, PeerAddr};
+use crate::wire::{NodeAdvert, PageLogEntry, PeerAddr};
+
+/// The capability of a peer that sends page events ([`crate::wire::Control::Pages`]).
+pub const PAGE_LOG: &str = "page-log";
 
 /// Liveness of a peer.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -74,6 +77,24 @@ pub enum Input {
     },
     /// One heartbeat period passed (the driver has sent this node's heartbeats).
     Tick,
+    /// A peer's page events, pushed by it.
+    Pages {
+        /// The peer.
+        node: String,
+        /// Its process start time.
+        started_ms: u64,
+        /// The events.
+        entry: PageLogEntry,
+    },
+    /// The answer to an [`Effect::FetchPages`] (`None`: the call failed).
+    PageLog {
+        /// The peer.
+        node: String,
+        /// Its process start time when the fetch was asked for.
+        started_ms: u64,
+        /// Its events or snapshot.
+        entry: Option<PageLogEntry>,
+    },
 }
 
 /// Why a peer was declared dead.
@@ -111,6 +132,29 @@ pub enum Effect {
     Left(String),
     /// A peer was declared dead.
     Died(String, DeathCause),
+    /// Ask a peer for its page events after `since` (`None`: a snapshot), and hand the
+    /// answer back as [`Input::PageLog`].
+    FetchPages {
+        /// The peer.
+        node: String,
+        /// Its process start time.
+        started_ms: u64,
+        /// The seq applied so far.
+        since: Option<u64>,
+    },
+}
+
+/// How this node follows one peer's page events.
+#[derive(Debug, Clone)]
+struct PageSync {
+    started_ms: u64,
+    /// The seq applied; `None` until a snapshot arrived (the index holds the advert's
+    /// capped list meanwhile).
+    seq: Option<u64>,
+    /// A fetch is under way.
+    fetching: bool,
+    /// Namespace → page space, from the advert the events are followed under.
+    spaces: BTreeMap<String, PageSpace>,
 }
 
 /// Seeds are re-dialed every this many periods.
@@ -123,8 +167,10 @@ pub struct Membership {
     peers: BTreeMap<String, Peer>,
     /// Every tier name a peer has advertised, also after it stopped (an engine restarting).
     hosted: BTreeSet<String>,
-    /// Every live peer's advertised pages (its tiers' and its store's), for routing.
+    /// Every live peer's pages (its tiers' and its store's), for routing.
     index: PrefixIndex,
+    /// Peers whose page events this node follows (they have the `page-log` capability).
+    sync: BTreeMap<String, PageSync>,
     /// Silence after which a peer is declared dead.
     failure_timeout: Duration,
     /// Periods ticked.
@@ -139,6 +185,7 @@ impl Membership {
             peers: BTreeMap::new(),
             hosted: BTreeSet::new(),
             index: PrefixIndex::new(),
+            sync: BTreeMap::new(),
             failure_timeout,
             ticks: 0,
         }
@@ -157,12 +204,27 @@ impl Membership {
                         addr: p.quic_addr,
                     })
                     .collect();
+                let fetch = self.follow(&advert);
                 match self.heartbeat(advert, now) {
                     Change::Joined => out.insert(0, Effect::Joined(node)),
                     Change::Rejoined => out.insert(0, Effect::Rejoined(node)),
                     Change::Updated => {}
                 }
+                out.extend(fetch);
                 out
+            }
+            Input::Pages {
+                node,
+                started_ms,
+                entry,
+            } => self.pushed(&node, started_ms, &entry).into_iter().collect(),
+            Input::PageLog {
+                node,
+                started_ms,
+                entry,
+            } => {
+                self.fetched(&node, started_ms, entry);
+                vec![]
             }
             Input::Leave(node) => {
                 if self.leave(&node) {
@@ -213,7 +275,8 @@ impl Membership {
             .peers
             .get(&advert.node)
             .is_none_or(|p| p.state != PeerState::Alive || !same_pages(&p.advert, &advert));
-        if changed {
+        let synced = self.sync.get(&advert.node).is_some_and(|s| s.seq.is_some());
+        if changed && !synced {
             self.index.set_node(&advert.node, spaces(&advert));
         }
         match self.peers.get_mut(&advert.node) {
@@ -251,6 +314,7 @@ impl Membership {
             Some(p) if p.state == PeerState::Alive => {
                 p.state = PeerState::Left;
                 self.index.remove_node(node);
+                self.sync.remove(node);
                 true
             }
             _ => false,
@@ -263,6 +327,7 @@ impl Membership {
             Some(p) if p.state == PeerState::Alive => {
                 p.state = PeerState::Dead;
                 self.index.remove_node(node);
+                self.sync.remove(node);
                 true
             }
             _ => false,
@@ -280,8 +345,120 @@ impl Membership {
         }
         for name in &dead {
             self.index.remove_node(name);
+            self.sync.remove(name);
         }
         dead
+    }
+
+    /// Starts or keeps following the page events of the peer whose heartbeat this is
+    /// (before the heartbeat is recorded); returns the fetch to make, if any. A peer that
+    /// is new, back, restarted or changed its namespaces is followed afresh from a
+    /// snapshot.
+    fn follow(&mut self, advert: &NodeAdvert) -> Option<Effect> {
+        let node = &advert.node;
+        if !advert.capabilities.iter().any(|c| c == PAGE_LOG) {
+            self.sync.remove(node);
+            return None;
+        }
+        let spaces: BTreeMap<String, PageSpace> =
+            spaces(advert).map(|(sp, _)| (sp.ns.clone(), sp)).collect();
+        let alive = self
+            .peers
+            .get(node)
+            .is_some_and(|p| p.state == PeerState::Alive);
+        let keep = alive
+            && self
+                .sync
+                .get(node)
+                .is_some_and(|s| s.started_ms == advert.started_ms && s.spaces == spaces);
+        if !keep {
+            if self.sync.get(node).is_some_and(|s| s.seq.is_some()) {
+                // Back to the advert's list until the new snapshot comes.
+                self.index.set_node(node, self::spaces(advert));
+            }
+            self.sync.insert(
+                node.clone(),
+                PageSync {
+                    started_ms: advert.started_ms,
+                    seq: None,
+                    fetching: false,
+                    spaces,
+                },
+            );
+        }
+        let s = self.sync.get_mut(node).expect("followed");
+        if s.seq.is_none() && !s.fetching {
+            s.fetching = true;
+            return Some(Effect::FetchPages {
+                node: node.clone(),
+                started_ms: s.started_ms,
+                since: None,
+            });
+        }
+        None
+    }
+
+    /// Applies events a peer pushed, or returns the fetch that fills a gap before them.
+    fn pushed(&mut self, node: &str, started_ms: u64, entry: &PageLogEntry) -> Option<Effect> {
+        let s = self.sync.get_mut(node)?;
+        if s.started_ms != started_ms {
+            return None;
+        }
+        match s.seq {
+            Some(k) if !entry.snapshot && entry.from == k => {
+                s.seq = Some(entry.seq);
+                apply(&mut self.index, node, &s.spaces, entry);
+                None
+            }
+            Some(k) if entry.seq <= k => None,
+            // Waiting for a snapshot, or events went missing: ask once.
+            _ if s.fetching => None,
+            since => {
+                s.fetching = true;
+                Some(Effect::FetchPages {
+                    node: node.to_owned(),
+                    started_ms,
+                    since,
+                })
+            }
+        }
+    }
+
+    /// Applies the answer to a fetch (a snapshot replaces what the peer had).
+    fn fetched(&mut self, node: &str, started_ms: u64, entry: Option<PageLogEntry>) {
+        let Some(s) = self.sync.get_mut(node) else {
+            return;
+        };
+        if s.started_ms != started_ms {
+            return;
+        }
+        s.fetching = false;
+        let Some(e) = entry else {
+            return;
+        };
+        if e.snapshot {
+            let lists: Vec<(PageSpace, &[u64])> = e
+                .changes
+                .iter()
+                .filter_map(|c| Some((s.spaces.get(&c.ns)?.clone(), c.stored.as_slice())))
+                .collect();
+            self.index.set_node(node, lists);
+            s.seq = Some(e.seq);
+        } else if s.seq == Some(e.from) {
+            s.seq = Some(e.seq);
+            apply(&mut self.index, node, &s.spaces, &e);
+        }
+    }
+
+    /// The seq of `node`'s page events this node has applied (`None`: not following them,
+    /// or no snapshot yet).
+    pub fn page_seq(&self, node: &str) -> Option<u64> {
+        self.sync.get(node).and_then(|s| s.seq)
+    }
+
+    /// Pages of `node` in the index.
+    pub fn pages_indexed(&self, node: &str) -> usize {
+        self.index.count(node)
     }
 
     /// The live peers' pages: which of them hold how many leading pages of `ids` in
@@ -345,6 +522,21 @@ fn spaces(a: &NodeAdvert) -> impl Iterator<Item = (PageSpace, &[u64])> {
         .iter()
         .map(|p| (space(&p.ns, &p.base, p.block), p.ids.as_slice()));
     tiers.chain(stores)
+}
+
+/// Applies a peer's page events, in order, to the index (namespaces it has no page space
+/// for are skipped: routers cannot name those pages).
+fn apply(
+    index: &mut PrefixIndex,
+    node: &str,
+    spaces: &BTreeMap<String, PageSpace>,
+    e: &PageLogEntry,
+) {
+    for c in &e.changes {
+        if let Some(space) = spaces.get(&c.ns) {
+            index.apply(node, space, &c.stored, &c.removed);
+        }
+    }
 }
 
 fn space(ns: &str, base: &[u8], block: u32) -> PageSpace {
@@ -492,6 +684,204 @@ mod tests {
         assert_eq!(m.prefix_runs(&t1, &[5, 6, 7]), vec![]);
         m.step(Input::Heartbeat(b), t0 + Duration::from_secs(4));
         assert_eq!(m.prefix_runs(&t1, &[5, 6, 7]), vec![("b", 2)]);
+    }
+
+    /// b with the page log, holding `ids` of t1 in its advert's (capped) list.
+    fn logging(started: u64, ids: &[u64]) -> NodeAdvert {
+        let mut b = advert("b", started, &[]);
+        b.capabilities = vec![PAGE_LOG.into()];
+        b.pages.push(crate::wire::NamespacePages {
+            ns: "t1".into(),
+            ids: ids.to_vec(),
+            base: vec![1; 32],
+            block: 16,
+        });
+        b
+    }
+
+    fn entry(snapshot: bool, from: u64, seq: u64, stored: &[u64], removed: &[u64]) -> PageLogEntry {
+        PageLogEntry {
+            snapshot,
+            from,
+            seq,
+            changes: vec![crate::wire::PageChange {
+                ns: "t1".into(),
+                stored: stored.to_vec(),
+                removed: removed.to_vec(),
+            }],
+        }
+    }
+
+    fn fetches(effects: &[Effect]) -> Vec<Option<u64>> {
+        effects
+            .iter()
+            .filter_map(|e| match e {
+                Effect::FetchPages { since, .. } => Some(*since),
+                _ => None,
+            })
+            .collect()
+    }
+
+    /// a following b from a snapshot of `ids` at seq `seq`.
+    fn following(ids: &[u64], seq: u64) -> Membership {
+        let mut m = Membership::new("a", Duration::from_secs(2));
+        m.step(Input::Heartbeat(logging(1, &ids[..1])), Instant::now());
+        m.step(
+            Input::PageLog {
+                node: "b".into(),
+                started_ms: 1,
+                entry: Some(entry(true, 0, seq, ids, &[])),
+            },
+            Instant::now(),
+        );
+        m
+    }
+
+    #[test]
+    fn a_peer_with_the_page_log_is_asked_for_a_snapshot_once() {
+        let mut m = Membership::new("a", Duration::from_secs(2));
+        let t0 = Instant::now();
+        let first = m.step(Input::Heartbeat(logging(1, &[5])), t0);
+        assert_eq!(fetches(&first), vec![None]);
+        let again = m.step(Input::Heartbeat(logging(1, &[5])), t0);
+        assert_eq!(fetches(&again), vec![], "a fetch is under way");
+    }
+
+    #[test]
+    fn a_peer_without_the_page_log_is_indexed_from_its_advert() {
+        let mut m = Membership::new("a", Duration::from_secs(2));
+        let mut b = logging(1, &[5, 6]);
+        b.capabilities.clear();
+        assert_eq!(
+            fetches(&m.step(Input::Heartbeat(b), Instant::now())),
+            vec![]
+        );
+        assert_eq!(m.pages_indexed("b"), 2);
+        assert_eq!(m.page_seq("b"), None);
+    }
+
+    #[test]
+    fn a_snapshot_indexes_every_page_beyond_the_adverts_list() {
+        let ids: Vec<u64> = (1..=5000).collect();
+        let m = following(&ids, 9);
+        assert_eq!(m.pages_indexed("b"), 5000);
+        assert_eq!(m.page_seq("b"), Some(9));
+        assert_eq!(
+            m.prefix_runs(&space("t1", &[1; 32], 16), &[1, 2, 3]),
+            vec![("b", 3)]
+        );
+    }
+
+    #[test]
+    fn pushed_events_in_order_are_applied() {
+        let mut m = following(&[1, 2, 3], 4);
+        let out = m.step(
+            Input::Pages {
+                node: "b".into(),
+                started_ms: 1,
+                entry: entry(false, 4, 5, &[7], &[2]),
+            },
+            Instant::now(),
+        );
+        assert_eq!(fetches(&out), vec![]);
+        assert_eq!(m.page_seq("b"), Some(5));
+        let t1 = space("t1", &[1; 32], 16);
+        assert_eq!(m.prefix_runs(&t1, &[1, 2]), vec![("b", 1)]);
+        assert_eq!(m.prefix_runs(&t1, &[7]), vec![("b", 1)]);
+    }
+
+    #[test]
+    fn a_heartbeat_of_a_followed_peer_does_not_replace_its_pages() {
+        let mut m = following(&[1, 2, 3], 4);
+        m.step(Input::Heartbeat(logging(1, &[1])), Instant::now());
+        assert_eq!(m.pages_indexed("b"), 3);
+    }
+
+    #[test]
+    fn a_gap_in_pushed_events_fetches_what_was_missed_once() {
+        let mut m = following(&[1], 4);
+        let gap = |from| Input::Pages {
+            node: "b".into(),
+            started_ms: 1,
+            entry: entry(false, from, from + 1, &[9], &[]),
+        };
+        assert_eq!(fetches(&m.step(gap(6), Instant::now())), vec![Some(4)]);
+        assert_eq!(fetches(&m.step(gap(7), Instant::now())), vec![]);
+        assert_eq!(m.pages_indexed("b"), 1, "nothing applied past the gap");
+        m.step(
+            Input::PageLog {
+                node: "b".into(),
+                started_ms: 1,
+                entry: Some(entry(false, 4, 8, &[9, 10], &[])),
+            },
+            Instant::now(),
+        );
+        assert_eq!((m.page_seq("b"), m.pages_indexed("b")), (Some(8), 3));
+    }
+
+    #[test]
+    fn events_already_applied_are_ignored() {
+        let mut m = following(&[1], 4);
+        let old = Input::Pages {
+            node: "b".into(),
+            started_ms: 1,
+            entry: entry(false, 2, 3, &[], &[1]),
+        };
+        assert_eq!(fetches(&m.step(old, Instant::now())), vec![]);
+        assert_eq!(m.pages_indexed("b"), 1);
+    }
+
+    #[test]
+    fn a_failed_fetch_is_asked_again_at_the_next_heartbeat() {
+        let mut m = Membership::new("a", Duration::from_secs(2));
+        m.step(Input::Heartbeat(logging(1, &[5])), Instant::now());
+        m.step(
+            Input::PageLog {
+                node: "b".into(),
+                started_ms: 1,
+                entry: None,
+            },
+            Instant::now(),
+        );
+        let again = m.step(Input::Heartbeat(logging(1, &[5])), Instant::now());
+        assert_eq!(fetches(&again), vec![None]);
+    }
+
+    #[test]
+    fn a_restarted_peer_is_followed_afresh_and_its_old_events_dropped() {
+        let mut m = following(&[1, 2, 3], 4);
+        let out = m.step(Input::Heartbeat(logging(2, &[8])), Instant::now());
+        assert_eq!(fetches(&out), vec![None]);
+        // Until the new snapshot: the new advert's list.
+        assert_eq!(m.pages_indexed("b"), 1);
+        let stale = Input::PageLog {
+            node: "b".into(),
+            started_ms: 1,
+            entry: Some(entry(true, 0, 5, &[1, 2, 3], &[])),
+        };
+        m.step(stale, Instant::now());
+        assert_eq!((m.page_seq("b"), m.pages_indexed("b")), (None, 1));
+    }
+
+    #[test]
+    fn a_dead_peers_followed_pages_leave_the_index() {
+        let mut m = following(&[1, 2, 3], 4);
+        m.step(
+            Input::Closed {
+                node: "b".into(),
+                current: true,
+                leaving: false,
+            },
+            Instant::now(),
+        );
+        assert_eq!((m.page_seq("b"), m.pages_indexed("b")), (None, 0));
+        let late = Input::Pages {
+            node: "b".into(),
+            started_ms: 1,
+            entry: entry(false, 4, 5, &[7], &[]),
+        };
+        assert_eq!(fetches(&m.step(late, Instant::now())), vec![]);
+        assert_eq!(m.pages_indexed("b"), 0);
     }
 
     #[test]
@@ -651,7 +1041,10 @@ mod tests {
                     Effect::Died(node, _) => {
                         self.deaths.push((self.period, at, Self::index(&node)));
                     }
-                    Effect::Joined(_) | Effect::Rejoined(_) | Effect::Left(_) => {}
+                    Effect::Joined(_)
+                    | Effect::Rejoined(_)
+                    | Effect::Left(_)
+                    | Effect::FetchPages { .. } => {}
                 }
             }
         }

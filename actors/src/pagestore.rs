@@ -9,6 +9,11 @@
 //! membership (every heartbeat)           ─▶ StoreMsg::Advert                     ─┘    ns ─▶ PageStore
 //! ```
 //!
+//! Every advert also takes what each store changed (stored or removed, at any level) and
+//! records it in the node's [`PageLog`]: numbered page events that the membership sends to
+//! peers, which keep their page index in step with them; a peer that is new or missed
+//! some asks for them (remote call `page-log`, answered from the log without the actor).
+//!
 //! One store per *namespace*: a tier's pages (namespace = tier name), a variant engine's
 //! (its engine id), or, on a `store` node, the pages peers demote to it (namespace = the
 //! tier they came from). Page reads that may touch the disk run on the blocking pool, so the
@@ -20,14 +25,14 @@
 //! and otherwise reads "not stored", so it prefills instead: a restart costs recomputation,
 //! never a wrong page.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
 use bytes::Bytes;
 use mesh_kvstore::{
-    EvictSink, PageBackend, PageId, PageMeta, PageStore, PageStoreOpener, Salt, StoreConfig,
-    StoreStats,
+    Changes, EvictSink, LogEntry, Observed, PageBackend, PageId, PageLog, PageMeta, PageStore,
+    PageStoreOpener, Salt, StoreConfig, StoreStats,
 };
 use ractor::{Actor, ActorProcessingErr, ActorRef, RpcReplyPort};
 use tracing::{debug, warn};
@@ -125,18 +130,37 @@ pub enum StoreMsg {
         reply: RpcReplyPort<usize>,
     },
     /// Short ids (first 8 bytes) of up to `limit` pages per namespace, most recently used
-    /// first: the page set this node advertises.
+    /// first: the page set this node advertises; and the page events since the last
+    /// `Advert` (recorded in the node's [`PageLog`]).
     Advert {
         /// Ids per namespace.
         limit: usize,
-        /// `(namespace, short ids)`.
-        reply: RpcReplyPort<Vec<(String, Vec<u64>)>>,
+        /// The ids and the new events.
+        reply: RpcReplyPort<AdvertPages>,
     },
     /// The counters of every namespace.
     Stats(RpcReplyPort<Vec<NamespaceStats>>),
     /// Fault injection: the actor panics.
     Crash,
 }
+
+/// What a heartbeat says about this node's pages.
+#[derive(Debug, Clone, Default)]
+pub struct AdvertPages {
+    /// `(namespace, short ids)`: up to the advert's limit each, most recently used first
+    /// (what peers without the `page-log` capability index).
+    pub ids: Vec<(String, Vec<u64>)>,
+    /// The page events since the previous advert, when anything changed.
+    pub entry: Option<LogEntry>,
+    /// The log's seq after them.
+    pub seq: u64,
+    /// Pages held, over every namespace.
+    pub held: usize,
+}
+
+/// Page events a node keeps for peers that fall behind (about a minute of heartbeat
+/// periods in which pages changed).
+const LOG_KEEP: usize = 256;
 
 /// Counters of one namespace (metrics).
 #[derive(Debug, Clone)]
@@ -170,6 +194,11 @@ pub struct PageStores {
     demote: Arc<Mutex<Option<tokio::sync::mpsc::UnboundedSender<Demoted>>>>,
     /// Config of namespaces peers create (pages demoted to a store node).
     default: Arc<StoreConfig>,
+    /// The node's page events (kept across restarts of the actor: peers follow its seq).
+    log: Arc<Mutex<PageLog>>,
+    /// Namespaces opened since the last advert: their next events compare everything
+    /// they hold (a restart lost the pages only in RAM).
+    fresh: Arc<Mutex<BTreeSet<String>>>,
     slot: Arc<ActorSlot<StoreMsg>>,
 }
 
@@ -182,8 +211,19 @@ impl PageStores {
             foreign: Arc::default(),
             demote: Arc::default(),
             default: Arc::new(default),
+            log: Arc::new(Mutex::new(PageLog::new(LOG_KEEP))),
+            fresh: Arc::default(),
             slot: Arc::default(),
         }
+    }
+
+    /// What a peer at page-event seq `seq` lacks (`None`: everything): the events after it,
+    /// or a snapshot.
+    pub fn log_since(&self, seq: Option<u64>) -> LogEntry {
+        self.log
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .since(seq)
     }
 
     /// Sends the pages engines' stores let go of (evicted with no far or disk copy) to `tx`
@@ -255,6 +295,19 @@ impl PageStores {
 /// pages to a store node.
 #[derive(Debug, Clone, Copy)]
 pub struct StoreProtocol;
+
+/// The remote protocol of a node's page events: a peer that is new or missed events asks
+/// for them ([`crate::wire::PageLogCall`]).
+#[derive(Debug, Clone, Copy)]
+pub struct PageLogProtocol;
+
+impl crate::remote::Protocol for PageLogProtocol {
+    const ACTOR: &'static str = "page-log";
+    /// A snapshot of a million pages is 8 MiB of ids.
+    const MAX_ITEM: usize = 64 << 20;
+    type Call = crate::wire::PageLogCall;
+    type Item = crate::wire::PageLogItem;
+}
 
 impl crate::remote::Protocol for StoreProtocol {
     const ACTOR: &'static str = "kv-store";
@@ -433,6 +486,11 @@ impl StoreState {
 
     fn open_ns(&mut self, ns: &str, cfg: StoreConfig) -> Arc<PageStore> {
         let s = Arc::new(PageStore::open(cfg));
+        self.stores
+            .fresh
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .insert(ns.to_owned());
         // Pages an engine's store lets go of may go to a store peer; a store node's own
         // namespaces keep theirs.
         if !self.stores.foreign().contains_key(ns) {
@@ -443,6 +501,22 @@ impl StoreState {
         }
         self.open.insert(ns.to_owned(), s.clone());
         s
+    }
+}
+
+/// What `store` changed since the last advert, in short ids; everything it holds when
+/// `fresh` (just opened).
+fn observed(store: &PageStore, fresh: bool) -> Observed {
+    let changes = store.take_changes();
+    let short = |ids: Vec<PageId>| ids.iter().map(PageId::short).collect();
+    match changes {
+        Changes::All(ids) => Observed::All(short(ids)),
+        Changes::Touched(_) if fresh => Observed::All(short(store.held_ids())),
+        Changes::Touched(ids) => Observed::Touched(
+            ids.into_iter()
+                .map(|(id, held)| (id.short(), held))
+                .collect(),
+        ),
     }
 }
 
@@ -592,7 +666,7 @@ impl Actor for PageStoreActor {
                 });
             }
             StoreMsg::Advert { limit, reply } => {
-                let out = state
+                let ids = state
                     .open
                     .iter()
                     .map(|(ns, s)| {
@@ -600,7 +674,30 @@ impl Actor for PageStoreActor {
                         (ns.clone(), ids)
                     })
                     .collect();
-                let _ = reply.send(out);
+                let fresh = std::mem::take(
+                    &mut *state
+                        .stores
+                        .fresh
+                        .lock()
+                        .unwrap_or_else(PoisonError::into_inner),
+                );
+                let seen = state
+                    .open
+                    .iter()
+                    .map(|(ns, s)| (ns.clone(), observed(s, fresh.contains(ns))))
+                    .collect();
+                let mut log = state
+                    .stores
+                    .log
+                    .lock()
+                    .unwrap_or_else(PoisonError::into_inner);
+                let entry = log.record(seen);
+                let _ = reply.send(AdvertPages {
+                    ids,
+                    entry,
+                    seq: log.seq(),
+                    held: log.len(),
+                });
             }
             StoreMsg::Stats(reply) => {
                 let out = state

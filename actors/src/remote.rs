@@ -28,8 +28,9 @@ use tokio::sync::mpsc;
 use tracing::warn;
 
 use crate::wire::{
-    Answer, CallStatus, EnginesCall, EnginesItem, Envelope, ErrorClass, PlannerCall, PlannerItem,
-    RemoteError, RouterCall, RouterItem, StoreCall, StoreItem, TierCall, TierItem,
+    Answer, CallStatus, EnginesCall, EnginesItem, Envelope, ErrorClass, PageLogCall, PageLogItem,
+    PlannerCall, PlannerItem, RemoteError, RouterCall, RouterItem, StoreCall, StoreItem, TierCall,
+    TierItem,
 };
 
 /// A wire type that travels in its own frame (rkyv, validated on receipt).
@@ -79,6 +80,9 @@ wire!(
     PlannerCall,
     PlannerItem,
     Answer<PlannerItem>,
+    PageLogCall,
+    PageLogItem,
+    Answer<PageLogItem>,
 );
 
 /// An item type with its answer frame.
@@ -101,6 +105,9 @@ impl Item for EnginesItem {
 }
 impl Item for PlannerItem {
     type Answer = Answer<PlannerItem>;
+}
+impl Item for PageLogItem {
+    type Answer = Answer<PageLogItem>;
 }
 
 /// The wire types of a remote actor.

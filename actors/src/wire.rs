@@ -3,7 +3,10 @@
 //! [`mesh_transport::WIRE_VERSION`] when an old node could not read a new frame, keeping
 //! the previous layout of each changed type in a module named after its version ([`v9`])
 //! with conversions both ways: a connection speaks the newest version both ends know, so a
-//! new node writes and reads the old layout on a connection to an old one.
+//! new node writes and reads the old layout on a connection to an old one. A message only
+//! peers with a capability ([`CAPABILITIES`]) are sent needs no new version, as long as
+//! the archived size of its enum does not grow ([`Control::Pages`] is smaller than a
+//! heartbeat; `tests::a_page_event_leaves_the_control_layout_as_it_was` checks).
 //!
 //! Streams:
 //! - unidirectional, one [`Control`] frame each: heartbeats (with the sender's advert and
@@ -133,8 +136,10 @@ pub struct NodeAdvert {
 /// What this build's nodes advertise as their capabilities:
 /// - `scale-forward`: a `mesh scale` reaching a node while the planning node is gone is
 ///   forwarded on to the next one, and answered as unavailable (retryable) if none answers;
-/// - `wire-negotiation`: the node speaks more than one wire version.
-pub const CAPABILITIES: &[&str] = &["scale-forward", "wire-negotiation"];
+/// - `wire-negotiation`: the node speaks more than one wire version;
+/// - `page-log`: the node sends its page events ([`Control::Pages`]) to peers that have
+///   this capability too, and answers [`PageLogCall`]s.
+pub const CAPABILITIES: &[&str] = &["scale-forward", "wire-negotiation", "page-log"];
 
 /// Short ids (first 8 bytes) of pages a store holds in one namespace, most recently used
 /// first (capped).
@@ -160,6 +165,78 @@ pub enum Control {
         /// Node leaving.
         node: String,
     },
+    /// The sender's page events: what its stores stored and removed since its previous
+    /// entry (sent only to peers advertising the `page-log` capability).
+    Pages {
+        /// The sender.
+        node: String,
+        /// Its process start time (its advert's `started_ms`; a log belongs to one process).
+        started_ms: u64,
+        /// The changes.
+        entry: PageLogEntry,
+    },
+}
+
+/// One namespace's part of a page event: short ids (first 8 bytes) stored and removed.
+#[derive(Archive, Serialize, Deserialize, Debug, Clone, PartialEq)]
+pub struct PageChange {
+    /// Namespace (a tier, or on a store node the tier the pages came from).
+    pub ns: String,
+    /// Ids now held.
+    pub stored: Vec<u64>,
+    /// Ids no longer held.
+    pub removed: Vec<u64>,
+}
+
+/// A node's page events from seq `from` to seq `seq` (`mesh_kvstore::LogEntry` on the
+/// wire): changes in order, or, when `snapshot`, everything held at `seq`.
+#[derive(Archive, Serialize, Deserialize, Debug, Clone, PartialEq)]
+pub struct PageLogEntry {
+    /// Everything held rather than changes.
+    pub snapshot: bool,
+    /// The seq the changes apply to.
+    pub from: u64,
+    /// The seq after them.
+    pub seq: u64,
+    /// The changes.
+    pub changes: Vec<PageChange>,
+}
+
+impl From<mesh_kvstore::LogEntry> for PageLogEntry {
+    fn from(e: mesh_kvstore::LogEntry) -> Self {
+        Self {
+            snapshot: e.snapshot,
+            from: e.from,
+            seq: e.seq,
+            changes: e
+                .changes
+                .into_iter()
+                .map(|c| PageChange {
+                    ns: c.ns,
+                    stored: c.stored,
+                    removed: c.removed,
+                })
+                .collect(),
+        }
+    }
+}
+
+/// Calls of the page log (`page-log`): a peer that missed events, or is new, asks for
+/// what it lacks.
+#[derive(Archive, Serialize, Deserialize, Debug, Clone, PartialEq)]
+pub enum PageLogCall {
+    /// The events after `seq`, or a snapshot when `seq` is `None`, too old or unknown.
+    Since {
+        /// The seq the caller has applied.
+        seq: Option<u64>,
+    },
+}
+
+/// Answers of the page log.
+#[derive(Archive, Serialize, Deserialize, Debug, Clone, PartialEq)]
+pub enum PageLogItem {
+    /// The events or the snapshot.
+    Entry(PageLogEntry),
 }
 
 /// The types whose layout wire version 10 changed, as version 9 wrote them.
@@ -192,9 +269,12 @@ pub mod v9 {
         Leave { node: String },
     }
 
-    impl From<super::Control> for Control {
-        fn from(c: super::Control) -> Self {
-            match c {
+    impl TryFrom<super::Control> for Control {
+        /// A message version 9 has no variant for (page events), given back.
+        type Error = super::Control;
+
+        fn try_from(c: super::Control) -> Result<Self, super::Control> {
+            Ok(match c {
                 super::Control::Heartbeat(a) => Self::Heartbeat(NodeAdvert {
                     node: a.node,
                     quic_addr: a.quic_addr,
@@ -208,7 +288,8 @@ pub mod v9 {
                     capacity: a.capacity,
                 }),
                 super::Control::Leave { node } => Self::Leave { node },
-            }
+                other @ super::Control::Pages { .. } => return Err(other),
+            })
         }
     }
 
@@ -673,6 +754,25 @@ mod tests {
     use super::*;
     use mesh_transport::frame::{decode, encode, HEADER_LEN};
 
+    /// `Control` as wire 10 first had it, before page events.
+    #[derive(Archive, Serialize, Deserialize, Debug, Clone, PartialEq)]
+    enum ControlBeforePages {
+        Heartbeat(NodeAdvert),
+        Leave { node: String },
+    }
+
+    #[test]
+    fn a_page_event_leaves_the_control_layout_as_it_was() {
+        assert_eq!(
+            std::mem::size_of::<ArchivedControl>(),
+            std::mem::size_of::<ArchivedControlBeforePages>()
+        );
+        // A frame of this build reads in the layout before page events.
+        let bytes = encode(&Control::Leave { node: "b".into() }).unwrap();
+        let old: ControlBeforePages = decode(&bytes[HEADER_LEN..]).unwrap();
+        assert_eq!(old, ControlBeforePages::Leave { node: "b".into() });
+    }
+
     #[test]
     fn a_heartbeat_through_the_version_9_layout_loses_only_the_build_and_capabilities() {
         let advert = NodeAdvert {
@@ -692,7 +792,7 @@ mod tests {
             build: "mesh 0.1.0".into(),
             capabilities: vec!["scale-forward".into()],
         };
-        let old = v9::Control::from(Control::Heartbeat(advert.clone()));
+        let old = v9::Control::try_from(Control::Heartbeat(advert.clone())).unwrap();
         let bytes = encode(&old).unwrap();
         let back: Control = decode::<v9::Control>(&bytes[HEADER_LEN..]).unwrap().into();
         let want = NodeAdvert {

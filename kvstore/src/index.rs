@@ -22,7 +22,7 @@ use std::hash::{BuildHasherDefault, Hasher};
 /// Page ids are blake3 output, already uniform: they are their own hash (SipHash over them
 /// was most of a lookup's time).
 #[derive(Debug, Default, Clone, Copy)]
-struct IdHasher(u64);
+pub(crate) struct IdHasher(u64);
 
 impl Hasher for IdHasher {
     fn finish(&self) -> u64 {
@@ -41,7 +41,7 @@ impl Hasher for IdHasher {
 }
 
 type IdMap<V> = HashMap<u64, V, BuildHasherDefault<IdHasher>>;
-type IdSet = HashSet<u64, BuildHasherDefault<IdHasher>>;
+pub(crate) type IdSet = HashSet<u64, BuildHasherDefault<IdHasher>>;
 
 /// The pages of one namespace as routers compute their ids: a tier's (or a store's)
 /// namespace, its salt base and its tokens per page. Pages of another base or block size
@@ -143,6 +143,50 @@ impl PrefixIndex {
         self.spaces.retain(|_, p| !p.by_node.is_empty());
     }
 
+    /// Adds `stored` to and takes `removed` from what `node` holds in `space` (its page
+    /// events), leaving its other spaces as they are.
+    pub fn apply(&mut self, node: &str, space: &PageSpace, stored: &[u64], removed: &[u64]) {
+        if stored.is_empty() && removed.is_empty() {
+            return;
+        }
+        let n = self.intern(node);
+        if !self.spaces.contains_key(space) {
+            if stored.is_empty() {
+                return;
+            }
+            self.spaces.insert(space.clone(), Pages::default());
+        }
+        let pages = self.spaces.get_mut(space).expect("space present");
+        let mut mine = pages.by_node.remove(&n).unwrap_or_default();
+        for id in removed {
+            if mine.remove(id) {
+                pages.drop_holder(n, *id);
+            }
+        }
+        for id in stored {
+            if mine.insert(*id) {
+                pages.add(n, *id);
+            }
+        }
+        if !mine.is_empty() {
+            pages.by_node.insert(n, mine);
+        } else if pages.by_node.is_empty() {
+            self.spaces.remove(space);
+        }
+    }
+
+    /// Pages `node` is indexed with, over all spaces.
+    pub fn count(&self, node: &str) -> usize {
+        let Some(n) = self.ids.get(node) else {
+            return 0;
+        };
+        self.spaces
+            .values()
+            .filter_map(|p| p.by_node.get(n))
+            .map(|s| s.len())
+            .sum()
+    }
+
     /// Forgets every page of `node` (it died or left).
     pub fn remove_node(&mut self, node: &str) {
         self.set_node(node, std::iter::empty());
@@ -230,6 +274,34 @@ mod tests {
             vec![("a".into(), 3), ("b".into(), 2)]
         );
         assert_eq!(runs(&ix, &t1, &[5, 1]), vec![]);
+    }
+
+    #[test]
+    fn events_add_and_take_pages_of_one_node_only() {
+        let mut ix = PrefixIndex::new();
+        let t1 = space("t1");
+        ix.set_node("a", [(t1.clone(), &[1, 2][..])]);
+        ix.set_node("b", [(t1.clone(), &[1, 2][..])]);
+        ix.apply("a", &t1, &[3], &[2]);
+        assert_eq!(
+            runs(&ix, &t1, &[1, 2]),
+            vec![("a".into(), 1), ("b".into(), 2)]
+        );
+        assert_eq!(
+            runs(&ix, &t1, &[1, 3]),
+            vec![("a".into(), 2), ("b".into(), 1)]
+        );
+        assert_eq!((ix.count("a"), ix.count("b")), (2, 2));
+    }
+
+    #[test]
+    fn removing_every_page_of_a_space_by_events_drops_the_space() {
+        let mut ix = PrefixIndex::new();
+        let t1 = space("t1");
+        ix.apply("a", &t1, &[1, 2], &[]);
+        ix.apply("a", &t1, &[], &[1, 2, 5]);
+        assert!(ix.is_empty());
+        assert_eq!(ix.count("a"), 0);
     }
 
     #[test]

@@ -5,6 +5,8 @@
 //!   reassemble any prefix into a restorable state (format in `shared/KV-STATE-NOTES.md`).
 //! - [`page`]: the stored form of a page (header with id, salt and checksum).
 //! - [`index`]: which peers hold which pages, one index over all of them for routing.
+//! - [`log`]: a node's page events (numbered stored/removed changes, snapshots) that
+//!   keep its peers' indexes in step.
 //! - [`store`]: RAM, far-memory and disk tiers with budgets, LRU eviction, dedup,
 //!   corruption refusal.
 //! - [`far`]: the allocator interface of the far-memory tier (a CPU-less NUMA node such
@@ -22,6 +24,7 @@ pub mod codec;
 pub mod far;
 pub mod id;
 pub mod index;
+pub mod log;
 pub mod page;
 pub mod store;
 
@@ -30,5 +33,6 @@ pub use codec::{assemble, parse, CodecError, Layout};
 pub use far::{FarMemory, FarMemoryError};
 pub use id::{chain, ModelFingerprint, PageId, Salt, SaltBase};
 pub use index::{PageSpace, PrefixIndex};
+pub use log::{LogEntry, NsChange, Observed, PageLog};
 pub use page::PageMeta;
-pub use store::{EvictSink, PageStore, StoreConfig, StoreStats};
+pub use store::{Changes, EvictSink, PageStore, StoreConfig, StoreStats};

@@ -108,12 +108,38 @@ pub struct StoreStats {
     pub disk_degraded: AtomicU64,
 }
 
+/// Ids a level stored or removed since the store's last [`PageStore::take_changes`]; past
+/// [`TOUCHED_CAP`] it stops counting and the next take lists everything held.
+#[derive(Default)]
+struct Touched {
+    ids: Vec<PageId>,
+    overflow: bool,
+}
+
+/// Most ids a level remembers between two takes (a node not in a cluster never takes).
+const TOUCHED_CAP: usize = 1 << 16;
+
+impl Touched {
+    fn note(&mut self, id: PageId) {
+        if self.overflow {
+            return;
+        }
+        if self.ids.len() >= TOUCHED_CAP {
+            self.overflow = true;
+            self.ids = Vec::new();
+        } else {
+            self.ids.push(id);
+        }
+    }
+}
+
 #[derive(Default)]
 struct Lru {
     map: HashMap<PageId, (Bytes, u64)>,
     order: BTreeMap<u64, PageId>,
     bytes: u64,
     tick: u64,
+    touched: Touched,
 }
 
 impl Lru {
@@ -128,6 +154,7 @@ impl Lru {
     }
     fn insert(&mut self, id: PageId, b: Bytes) {
         self.tick += 1;
+        self.touched.note(id);
         self.bytes += b.len() as u64;
         if let Some((old, t)) = self.map.insert(id, (b, self.tick)) {
             self.bytes -= old.len() as u64;
@@ -137,6 +164,7 @@ impl Lru {
     }
     fn remove(&mut self, id: &PageId) -> Option<Bytes> {
         let (b, t) = self.map.remove(id)?;
+        self.touched.note(*id);
         self.order.remove(&t);
         self.bytes -= b.len() as u64;
         Some(b)
@@ -157,6 +185,7 @@ impl Lru {
         let (&t, &id) = self.order.iter().next()?;
         self.order.remove(&t);
         let (b, _) = self.map.remove(&id)?;
+        self.touched.note(id);
         self.bytes -= b.len() as u64;
         Some((id, b))
     }
@@ -169,11 +198,13 @@ struct DiskIndex {
     order: BTreeMap<u64, PageId>,
     bytes: u64,
     tick: u64,
+    touched: Touched,
 }
 
 impl DiskIndex {
     fn insert(&mut self, id: PageId, size: u64) {
         self.tick += 1;
+        self.touched.note(id);
         if let Some((s, t)) = self.map.insert(id, (size, self.tick)) {
             self.bytes -= s;
             self.order.remove(&t);
@@ -196,6 +227,7 @@ impl DiskIndex {
     }
     fn remove(&mut self, id: &PageId) {
         if let Some((s, t)) = self.map.remove(id) {
+            self.touched.note(*id);
             self.bytes -= s;
             self.order.remove(&t);
         }
@@ -220,6 +252,15 @@ struct Far {
     budget: u64,
     lru: Mutex<Lru>,
     warned: AtomicBool,
+}
+
+/// What a store's levels changed since the last [`PageStore::take_changes`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Changes {
+    /// Ids stored or removed, each with whether the store holds it now.
+    Touched(Vec<(PageId, bool)>),
+    /// Every id held (a level lost count of its changes).
+    All(Vec<PageId>),
 }
 
 /// Takes the pages a store lets go of and would otherwise lose (evicted from RAM or far
@@ -392,6 +433,46 @@ impl PageStore {
                 .disk
                 .as_ref()
                 .is_some_and(|d| d.index.lock().expect("disk index").map.contains_key(id))
+    }
+
+    /// What changed since the last call: each id stored or removed at any level with
+    /// whether the store holds it now, or everything held when a level lost count (more
+    /// than [`TOUCHED_CAP`] changes since the last call). The page-store actor takes them
+    /// every heartbeat period for the node's page events ([`crate::PageLog`]).
+    pub fn take_changes(&self) -> Changes {
+        let mut ids = vec![];
+        let mut overflow = false;
+        let mut take = |t: &mut Touched| {
+            overflow |= std::mem::take(&mut t.overflow);
+            ids.append(&mut t.ids);
+        };
+        take(&mut self.ram.lock().expect("ram").touched);
+        if let Some(f) = &self.far {
+            take(&mut f.lru.lock().expect("far").touched);
+        }
+        if let Some(d) = &self.disk {
+            take(&mut d.index.lock().expect("disk index").touched);
+        }
+        if overflow {
+            return Changes::All(self.held_ids());
+        }
+        ids.sort_unstable();
+        ids.dedup();
+        Changes::Touched(ids.into_iter().map(|id| (id, self.contains(&id))).collect())
+    }
+
+    /// Every id held at any level.
+    pub fn held_ids(&self) -> Vec<PageId> {
+        let mut out: Vec<PageId> = self.ram.lock().expect("ram").map.keys().copied().collect();
+        if let Some(f) = &self.far {
+            out.extend(f.lru.lock().expect("far").map.keys().copied());
+        }
+        if let Some(d) = &self.disk {
+            out.extend(d.index.lock().expect("disk index").map.keys().copied());
+        }
+        out.sort_unstable();
+        out.dedup();
+        out
     }
 
     /// The payload of page `id` in namespace `salt`, or `None` (missing or refused as corrupt).
@@ -932,6 +1013,88 @@ mod tests {
             block: 4,
             index: 0,
         }
+    }
+
+    fn ram_only(pages: u64) -> PageStore {
+        PageStore::open(StoreConfig {
+            ram_bytes: pages * (page::HEADER_LEN + 1000) as u64,
+            disk_dir: None,
+            disk_bytes: 0,
+            far: None,
+            far_bytes: 0,
+        })
+    }
+
+    #[test]
+    fn changes_list_stored_pages_as_held() {
+        let s = ram_only(4);
+        s.put(&meta(1), &[1; 1000]);
+        s.put(&meta(2), &[2; 1000]);
+        assert_eq!(
+            s.take_changes(),
+            Changes::Touched(vec![(meta(1).id, true), (meta(2).id, true)])
+        );
+        assert_eq!(s.take_changes(), Changes::Touched(vec![]));
+    }
+
+    #[test]
+    fn a_page_evicted_with_no_other_copy_is_a_change_to_not_held() {
+        let s = ram_only(2);
+        for i in 0..3 {
+            s.put(&meta(i), &[i; 1000]);
+        }
+        let Changes::Touched(c) = s.take_changes() else {
+            panic!("counted")
+        };
+        assert_eq!(c[0], (meta(0).id, false));
+    }
+
+    #[test]
+    fn a_page_moving_from_ram_to_disk_stays_held() {
+        let dir = tempfile::tempdir().unwrap();
+        let s = PageStore::open(StoreConfig {
+            ram_bytes: (page::HEADER_LEN + 1000) as u64,
+            disk_dir: Some(dir.path().into()),
+            disk_bytes: 1 << 20,
+            far: None,
+            far_bytes: 0,
+        });
+        s.put(&meta(0), &[0; 1000]);
+        s.put(&meta(1), &[1; 1000]);
+        s.flush();
+        assert_eq!(
+            s.take_changes(),
+            Changes::Touched(vec![(meta(0).id, true), (meta(1).id, true)])
+        );
+    }
+
+    #[test]
+    fn a_corrupt_page_refused_is_a_change_to_not_held() {
+        let s = ram_only(4);
+        s.put(&meta(3), &[3; 1000]);
+        s.take_changes();
+        // Read with a salt of another namespace is a miss, not a refusal: corrupt it.
+        {
+            let mut ram = s.ram.lock().unwrap();
+            let (b, _) = ram.map.get_mut(&meta(3).id).unwrap();
+            let mut v = b.to_vec();
+            let last = v.len() - 1;
+            v[last] ^= 0xff;
+            *b = Bytes::from(v);
+        }
+        assert!(s.get(&meta(3).id, &meta(3).salt).is_none());
+        assert_eq!(
+            s.take_changes(),
+            Changes::Touched(vec![(meta(3).id, false)])
+        );
+    }
+
+    #[test]
+    fn a_level_that_lost_count_lists_everything_held() {
+        let s = ram_only(4);
+        s.put(&meta(1), &[1; 1000]);
+        s.ram.lock().unwrap().touched.overflow = true;
+        assert_eq!(s.take_changes(), Changes::All(vec![meta(1).id]));
     }
 
     #[test]

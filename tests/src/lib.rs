@@ -338,6 +338,44 @@ pub fn certs(dir: &Path, names: &[&str]) -> PathBuf {
     certs
 }
 
+/// Tool schemas `from..to` of the fixture catalog (`models/fixtures/catalog.jsonl`).
+pub fn catalog(from: usize, to: usize) -> Vec<serde_json::Value> {
+    let text = std::fs::read_to_string(root().join("models/fixtures/catalog.jsonl")).unwrap();
+    text.lines()
+        .skip(from)
+        .take(to - from)
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect()
+}
+
+/// A raw t1 prompt with the fixture catalog's tools `from..from + 10` in its system part
+/// (about 20 pages of t1).
+pub fn tools_prompt(from: usize) -> String {
+    let tools: Vec<String> = catalog(from, from + 10)
+        .iter()
+        .map(serde_json::Value::to_string)
+        .collect();
+    format!(
+        "<|system|>You are a helpful agent.\n<tools>\n{}\n</tools><|end|><|user|>What is the weather in Oslo?<|end|><|assistant|>",
+        tools.join("\n")
+    )
+}
+
+/// A node config `DIR/NAME.toml` with tier t1 whose KV pages get `ram_bytes` of RAM and no
+/// disk (t1: ~48 KiB a page); returns its path for `--config`.
+pub fn t1_config(dir: &Path, name: &str, ram_bytes: u64) -> String {
+    let cfg = dir.join(format!("{name}.toml"));
+    std::fs::write(
+        &cfg,
+        format!(
+            "[[tiers]]\nname = \"t1\"\nmodel = \"{}\"\n[tiers.kv_pages]\nram_bytes = {ram_bytes}\n",
+            root().join("models/t1-q8_0.gguf").display()
+        ),
+    )
+    .unwrap();
+    cfg.display().to_string()
+}
+
 /// Polls `f` until it holds; panics naming `what` after 30 s.
 pub async fn wait_until(what: &str, mut f: impl AsyncFnMut() -> bool) {
     let t0 = Instant::now();

@@ -13,6 +13,7 @@ mod gpu;
 mod kv_fabric;
 mod no_host;
 mod otlp_trace;
+mod page_events;
 mod partition;
 mod placement;
 mod quant_reload;

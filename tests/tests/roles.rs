@@ -4,7 +4,7 @@
 
 use std::time::{Duration, Instant};
 
-use mesh_tests::{certs, Node};
+use mesh_tests::{catalog, certs, t1_config, tools_prompt, Node};
 use serde_json::{json, Value};
 
 async fn get(c: &reqwest::Client, url: String) -> Value {
@@ -44,17 +44,6 @@ async fn metric(c: &reqwest::Client, base: &str, name: &str) -> f64 {
         .filter(|l| l.starts_with(name) && !l.starts_with('#'))
         .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
         .sum()
-}
-
-/// Tools `from..to` of the bundled catalog.
-fn catalog(from: usize, to: usize) -> Vec<Value> {
-    let text =
-        std::fs::read_to_string(mesh_tests::root().join("models/fixtures/catalog.jsonl")).unwrap();
-    text.lines()
-        .skip(from)
-        .take(to - from)
-        .map(|l| serde_json::from_str(l).unwrap())
-        .collect()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -122,16 +111,7 @@ async fn a_store_node_keeps_demoted_pages_and_serves_them_back() {
     .expect("s");
     // The compute node's RAM holds about one prompt's pages (t1: ~48 KiB a page), and it
     // has no disk tier: pages it evicts would be lost without the store node.
-    let cfg = dir.path().join("c.toml");
-    std::fs::write(
-        &cfg,
-        format!(
-            "[[tiers]]\nname = \"t1\"\nmodel = \"{}\"\n[tiers.kv_pages]\nram_bytes = 1600000\n",
-            mesh_tests::root().join("models/t1-q8_0.gguf").display()
-        ),
-    )
-    .unwrap();
-    let cf = cfg.display().to_string();
+    let cf = t1_config(dir.path(), "c", 1_600_000);
     let cn = Node::start(
         "c",
         &certs,
@@ -148,16 +128,7 @@ async fn a_store_node_keeps_demoted_pages_and_serves_them_back() {
         async || member(c, &cn.http, "s").await["roles"] == json!(["store"]),
     )
     .await;
-    let prompt = |from: usize| {
-        let tools: Vec<String> = catalog(from, from + 10)
-            .iter()
-            .map(Value::to_string)
-            .collect();
-        format!(
-            "<|system|>You are a helpful agent.\n<tools>\n{}\n</tools><|end|><|user|>What is the weather in Oslo?<|end|><|assistant|>",
-            tools.join("\n")
-        )
-    };
+    let prompt = tools_prompt;
     let complete = async |p: &str| -> String {
         let v: Value = c
             .post(format!("{}/v1/completions", cn.http))

@@ -117,6 +117,8 @@ pub(crate) async fn cluster(State(state): State<HttpState>) -> Json<Value> {
                     "state": m.state, "uptime_s": m.uptime_s, "last_seen_ms": m.last_seen_ms,
                     "roles": m.roles, "actors": m.actors,
                     "build": m.build, "capabilities": m.capabilities, "wire": m.wire,
+                    "pages_indexed": m.pages_indexed, "page_seq": m.page_seq,
+                    "udp_tx_bytes": m.udp_bytes.0, "udp_rx_bytes": m.udp_bytes.1,
                     "stored_pages": m.stored_pages.iter().cloned().collect::<std::collections::BTreeMap<_, _>>(),
                     "tiers": m.tiers.iter().map(tier_json).collect::<Vec<_>>(),
                     "capacity": {"cores": m.capacity.cores, "cores_used": m.capacity.cores_used,

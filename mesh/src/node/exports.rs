@@ -9,7 +9,7 @@ use bytes::Bytes;
 use futures::future::BoxFuture;
 use mesh_actors::cluster::{AdvertSource, LocalAdvert};
 use mesh_actors::engines::Engines;
-use mesh_actors::pagestore::{Demoted, PageStores, StoreMsg, StoreProtocol};
+use mesh_actors::pagestore::{Demoted, PageLogProtocol, PageStores, StoreMsg, StoreProtocol};
 use mesh_actors::planner::{EnginesProtocol, PlanError, PlannerMsg, PlannerProtocol};
 use mesh_actors::remote::{CallContext, Exports, Started};
 use mesh_actors::router::{self, RouterMsg, RouterProtocol};
@@ -19,8 +19,8 @@ use mesh_actors::tier::{self as tier_wire, TierMsg, TierProtocol};
 use mesh_actors::tuner::LivePolicy;
 use mesh_actors::wire::{
     Capacity, EnginesCall, EnginesItem, ErrorClass, LoadableTier, NamespacePages, PageBlob,
-    PlannerCall, PlannerItem, RemoteError, RouterCall, RouterItem, StoreCall, StoreItem, TierCall,
-    TierItem,
+    PageLogCall, PageLogItem, PlannerCall, PlannerItem, RemoteError, RouterCall, RouterItem,
+    StoreCall, StoreItem, TierCall, TierItem,
 };
 use mesh_actors::Cluster;
 use mesh_control::policy::Role;
@@ -34,6 +34,19 @@ use crate::service::dispatch::{prefetch, Dispatcher};
 
 /// Adverts carry at most this many page ids per namespace (most recently used first).
 const ADVERTISED_PAGES: usize = 1024;
+
+/// Page ids listed per namespace in adverts: [`ADVERTISED_PAGES`], or
+/// `MESH_ADVERTISED_PAGES` (a test hook: peers that follow the page events see every page
+/// whatever the list holds; peers older than the events see the list).
+fn advertised_pages() -> usize {
+    static N: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *N.get_or_init(|| {
+        std::env::var("MESH_ADVERTISED_PAGES")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(ADVERTISED_PAGES)
+    })
+}
 /// Most pages one demotion call carries.
 const DEMOTE_BATCH: usize = 32;
 
@@ -224,6 +237,18 @@ pub fn export_store(exports: &Exports, pages: PageStores) {
     );
 }
 
+/// Exports the page-log protocol: a peer that is new or missed page events asks for them
+/// (answered from the log, not through the page-store actor's mailbox).
+pub fn export_page_log(exports: &Exports, pages: PageStores) {
+    exports.export::<PageLogProtocol>(
+        move |call: PageLogCall, _ctx: CallContext| -> BoxFuture<'static, Started<PageLogItem>> {
+            let PageLogCall::Since { seq } = call;
+            let entry = pages.log_since(seq);
+            Box::pin(async move { one(PageLogItem::Entry(entry.into())) })
+        },
+    );
+}
+
 /// Exports the router protocol: a gateway without a router routes through this one.
 pub fn export_router(exports: &Exports, slot: Arc<ActorSlot<RouterMsg>>) {
     exports.export::<RouterProtocol>(
@@ -384,17 +409,21 @@ pub fn advert_source(engines: Engines, pages: PageStores, needs: TierNeeds) -> A
     Arc::new(move || {
         let (engines, pages, needs) = (engines.clone(), pages.clone(), needs.clone());
         Box::pin(async move {
-            let set = pages
+            let advert = pages
                 .call(|reply| StoreMsg::Advert {
-                    limit: ADVERTISED_PAGES,
+                    limit: advertised_pages(),
                     reply,
                 })
                 .await
                 .unwrap_or_default();
+            let set = advert.ids;
             let foreign = pages.foreign();
             LocalAdvert {
                 capacity: needs.capacity(&engines),
                 tiers: engines.adverts(&set),
+                page_events: advert.entry.map(Into::into),
+                page_seq: advert.seq,
+                pages_held: advert.held,
                 pages: set
                     .into_iter()
                     .filter_map(|(ns, ids)| {

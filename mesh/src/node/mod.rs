@@ -364,6 +364,7 @@ pub async fn start(
             let endpoint = mesh_transport::Endpoint::bind(&identity, cs.listen, &ccfg.transport)?;
             let exported = mesh_actors::remote::Exports::default();
             exports::export_store(&exported, pages.clone());
+            exports::export_page_log(&exported, pages.clone());
             exports::export_planner(&exported, planner_slot.clone());
             if !tiers.is_empty() {
                 exports::export_tiers(
