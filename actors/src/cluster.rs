@@ -37,8 +37,9 @@ use crate::supervisor::ActorSlot;
 use crate::tasks::{Life, Tasks};
 use crate::wire::{
     Answer, CallStatus, Capacity, Control, Envelope, ErrorClass, Event, GenerateCall, Header,
-    NamespacePages, NodeAdvert, PageBlob, PageLogCall, PageLogEntry, PageLogItem, RemoteError,
-    Reply, Request, RouterCall, RouterItem, StoreCall, StoreItem, TierAdvert, TierCall, TierItem,
+    NamespacePages, NodeAdvert, PageBlob, PageLogCall, PageLogEntry, PageLogItem, PeerAddr,
+    RemoteError, Reply, Request, RouterCall, RouterItem, StoreCall, StoreItem, TierAdvert,
+    TierCall, TierItem,
 };
 
 /// Connection close code when a peer is declared dead.
@@ -698,7 +699,8 @@ impl Cluster {
         }
     }
 
-    fn advert(&self) -> NodeAdvert {
+    /// This node's advert, with `peers` as its gossip list.
+    fn advert(&self, peers: Vec<PeerAddr>) -> NodeAdvert {
         let local = self.inner.local.lock().expect("local advert").clone();
         NodeAdvert {
             node: self.inner.me.clone(),
@@ -706,7 +708,7 @@ impl Cluster {
             http_addr: self.inner.cfg.http_addr.clone(),
             started_ms: self.inner.started_ms,
             tiers: local.tiers,
-            peers: self.inner.members.lock().expect("members").gossip(),
+            peers,
             roles: self.inner.roles.clone(),
             actors: self.inner.exports.names(),
             pages: local.pages,
@@ -731,7 +733,8 @@ impl Cluster {
     }
 
     fn send_heartbeat(&self, conn: quinn::Connection) {
-        let msg = Control::Heartbeat(self.advert());
+        let peers = self.inner.members.lock().expect("members").gossip();
+        let msg = Control::Heartbeat(self.advert(peers));
         tokio::spawn(async move { send_control(&conn, &msg).await });
     }
 
@@ -743,7 +746,13 @@ impl Cluster {
             events = Some((local.page_events.take(), local.page_seq));
             *self.inner.local.lock().expect("local advert") = local;
         }
-        let msg = Control::Heartbeat(self.advert());
+        let peers = self
+            .inner
+            .members
+            .lock()
+            .expect("members")
+            .gossip_for_period();
+        let msg = Control::Heartbeat(self.advert(peers));
         for e in self.inner.conns.iter() {
             let (conn, msg) = (e.value().clone(), msg.clone());
             tokio::spawn(async move { send_control(&conn, &msg).await });

@@ -160,6 +160,9 @@ struct PageSync {
 /// Seeds are re-dialed every this many periods.
 pub const SEED_PERIODS: u64 = 8;
 
+/// An unchanged gossip list is sent again every this many periods.
+pub const GOSSIP_PERIODS: u64 = 8;
+
 /// The table.
 #[derive(Debug)]
 pub struct Membership {
@@ -175,6 +178,9 @@ pub struct Membership {
     failure_timeout: Duration,
     /// Periods ticked.
     ticks: u64,
+    /// The gossip list last sent in a period's heartbeats, and the tick it was sent at.
+    gossip_sent: Vec<PeerAddr>,
+    gossip_sent_at: u64,
 }
 
 impl Membership {
@@ -188,6 +194,8 @@ impl Membership {
             sync: BTreeMap::new(),
             failure_timeout,
             ticks: 0,
+            gossip_sent: vec![],
+            gossip_sent_at: 0,
         }
     }
 
@@ -506,6 +514,23 @@ impl Membership {
                 quic_addr: p.advert.quic_addr.clone(),
             })
             .collect()
+    }
+
+    /// The gossip list for this period's heartbeats: the alive peers when they changed
+    /// since the list was last sent, or every [`GOSSIP_PERIODS`] periods (for a peer that
+    /// missed it); otherwise empty, since every peer already has it. The list is most of a
+    /// heartbeat's bytes in a full mesh (n entries to each of n - 1 peers per period). A
+    /// heartbeat on a new connection carries the whole list ([`Membership::gossip`]).
+    pub fn gossip_for_period(&mut self) -> Vec<PeerAddr> {
+        let now = self.gossip();
+        let due = self.ticks.saturating_sub(self.gossip_sent_at) >= GOSSIP_PERIODS;
+        if now != self.gossip_sent || due {
+            self.gossip_sent.clone_from(&now);
+            self.gossip_sent_at = self.ticks;
+            now
+        } else {
+            vec![]
+        }
     }
 }
 
@@ -885,6 +910,22 @@ mod tests {
     }
 
     #[test]
+    fn the_gossip_list_goes_out_when_it_changed_or_is_due() {
+        let t0 = Instant::now();
+        let mut m = Membership::new("a", Duration::from_secs(2));
+        m.step(Input::Heartbeat(advert("b", 1, &[])), t0);
+        assert_eq!(m.gossip_for_period().len(), 1, "b joined");
+        assert!(m.gossip_for_period().is_empty(), "unchanged");
+        m.step(Input::Heartbeat(advert("c", 1, &[])), t0);
+        assert_eq!(m.gossip_for_period().len(), 2, "c joined");
+        for _ in 0..GOSSIP_PERIODS {
+            m.step(Input::Tick, t0);
+        }
+        assert_eq!(m.gossip_for_period().len(), 2, "due again");
+        assert!(m.gossip_for_period().is_empty());
+    }
+
+    #[test]
     fn a_new_peers_heartbeat_reports_it_and_dials_the_peers_it_names() {
         let mut m = Membership::new("a", Duration::from_secs(2));
         let effects = m.step(
@@ -1049,10 +1090,10 @@ mod tests {
             }
         }
 
-        fn advert_of(&self, i: usize) -> NodeAdvert {
+        fn advert_of(&mut self, i: usize) -> NodeAdvert {
             let mut a = advert(&format!("n{i}"), self.started[i], &[]);
             a.quic_addr = format!("n{i}");
-            a.peers = self.tables[i].gossip();
+            a.peers = self.tables[i].gossip_for_period();
             a
         }
 
