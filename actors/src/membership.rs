@@ -151,14 +151,18 @@ struct PageSync {
     /// The seq applied; `None` until a snapshot arrived (the index holds the advert's
     /// capped list meanwhile).
     seq: Option<u64>,
-    /// A fetch is under way.
-    fetching: bool,
+    /// When the fetch under way was asked for.
+    fetching: Option<Instant>,
     /// Namespace → page space, from the advert the events are followed under.
     spaces: BTreeMap<String, PageSpace>,
 }
 
 /// Seeds are re-dialed every this many periods.
 pub const SEED_PERIODS: u64 = 8;
+
+/// A fetch of page events not answered in this long counts as failed (the call's own
+/// deadline is shorter).
+pub const FETCH_GIVE_UP: Duration = Duration::from_secs(60);
 
 /// An unchanged gossip list is sent again every this many periods.
 pub const GOSSIP_PERIODS: u64 = 8;
@@ -212,7 +216,7 @@ impl Membership {
                         addr: p.quic_addr,
                     })
                     .collect();
-                let fetch = self.follow(&advert);
+                let fetch = self.follow(&advert, now);
                 match self.heartbeat(advert, now) {
                     Change::Joined => out.insert(0, Effect::Joined(node)),
                     Change::Rejoined => out.insert(0, Effect::Rejoined(node)),
@@ -225,7 +229,10 @@ impl Membership {
                 node,
                 started_ms,
                 entry,
-            } => self.pushed(&node, started_ms, &entry).into_iter().collect(),
+            } => self
+                .pushed(&node, started_ms, &entry, now)
+                .into_iter()
+                .collect(),
             Input::PageLog {
                 node,
                 started_ms,
@@ -362,7 +369,7 @@ impl Membership {
     /// (before the heartbeat is recorded); returns the fetch to make, if any. A peer that
     /// is new, back, restarted or changed its namespaces is followed afresh from a
     /// snapshot.
-    fn follow(&mut self, advert: &NodeAdvert) -> Option<Effect> {
+    fn follow(&mut self, advert: &NodeAdvert, now: Instant) -> Option<Effect> {
         let node = &advert.node;
         if !advert.capabilities.iter().any(|c| c == PAGE_LOG) {
             self.sync.remove(node);
@@ -389,14 +396,20 @@ impl Membership {
                 PageSync {
                     started_ms: advert.started_ms,
                     seq: None,
-                    fetching: false,
+                    fetching: None,
                     spaces,
                 },
             );
         }
         let s = self.sync.get_mut(node).expect("followed");
-        if s.seq.is_none() && !s.fetching {
-            s.fetching = true;
+        if s.fetching
+            .is_some_and(|at| now.saturating_duration_since(at) > FETCH_GIVE_UP)
+        {
+            // Its answer never came back: ask again.
+            s.fetching = None;
+        }
+        if s.seq.is_none() && s.fetching.is_none() {
+            s.fetching = Some(now);
             return Some(Effect::FetchPages {
                 node: node.clone(),
                 started_ms: s.started_ms,
@@ -407,7 +420,13 @@ impl Membership {
     }
 
     /// Applies events a peer pushed, or returns the fetch that fills a gap before them.
-    fn pushed(&mut self, node: &str, started_ms: u64, entry: &PageLogEntry) -> Option<Effect> {
+    fn pushed(
+        &mut self,
+        node: &str,
+        started_ms: u64,
+        entry: &PageLogEntry,
+        now: Instant,
+    ) -> Option<Effect> {
         let s = self.sync.get_mut(node)?;
         if s.started_ms != started_ms {
             return None;
@@ -420,9 +439,9 @@ impl Membership {
             }
             Some(k) if entry.seq <= k => None,
             // Waiting for a snapshot, or events went missing: ask once.
-            _ if s.fetching => None,
+            _ if s.fetching.is_some() => None,
             since => {
-                s.fetching = true;
+                s.fetching = Some(now);
                 Some(Effect::FetchPages {
                     node: node.to_owned(),
                     started_ms,
@@ -440,7 +459,7 @@ impl Membership {
         if s.started_ms != started_ms {
             return;
         }
-        s.fetching = false;
+        s.fetching = None;
         let Some(e) = entry else {
             return;
         };
@@ -870,6 +889,23 @@ mod tests {
         );
         let again = m.step(Input::Heartbeat(logging(1, &[5])), Instant::now());
         assert_eq!(fetches(&again), vec![None]);
+    }
+
+    #[test]
+    fn a_fetch_never_answered_is_asked_again_after_the_give_up_time() {
+        let mut m = Membership::new("a", Duration::from_secs(2));
+        let t0 = Instant::now();
+        m.step(Input::Heartbeat(logging(1, &[5])), t0);
+        let soon = m.step(
+            Input::Heartbeat(logging(1, &[5])),
+            t0 + Duration::from_secs(1),
+        );
+        assert_eq!(fetches(&soon), vec![]);
+        let late = t0 + FETCH_GIVE_UP + Duration::from_secs(1);
+        assert_eq!(
+            fetches(&m.step(Input::Heartbeat(logging(1, &[5])), late)),
+            vec![None]
+        );
     }
 
     #[test]
