@@ -133,45 +133,71 @@ impl Touched {
     }
 }
 
+/// What a page weighs against a level's byte budget: RAM and far memory hold the page's
+/// bytes, the disk index only its size.
+trait Weighed: Clone {
+    fn weight(&self) -> u64;
+}
+
+impl Weighed for Bytes {
+    fn weight(&self) -> u64 {
+        self.len() as u64
+    }
+}
+
+impl Weighed for u64 {
+    fn weight(&self) -> u64 {
+        *self
+    }
+}
+
+/// One level's eviction policy, least recently used first, for every level of the store:
+/// page id → (value, last use), with the byte total the budgets check and the ids changed
+/// since the last [`PageStore::take_changes`].
 #[derive(Default)]
-struct Lru {
-    map: HashMap<PageId, (Bytes, u64)>,
+struct Lru<V> {
+    map: HashMap<PageId, (V, u64)>,
     order: BTreeMap<u64, PageId>,
     bytes: u64,
     tick: u64,
     touched: Touched,
 }
 
-impl Lru {
-    fn touch(&mut self, id: &PageId) -> Option<Bytes> {
+impl<V: Weighed> Lru<V> {
+    /// Marks `id` used now; its value, if held.
+    fn touch(&mut self, id: &PageId) -> Option<V> {
         self.tick += 1;
         let tick = self.tick;
-        let (b, t) = self.map.get_mut(id)?;
+        let (v, t) = self.map.get_mut(id)?;
         self.order.remove(t);
         *t = tick;
         self.order.insert(tick, *id);
-        Some(b.clone())
+        Some(v.clone())
     }
-    fn insert(&mut self, id: PageId, b: Bytes) {
+    fn insert(&mut self, id: PageId, v: V) {
         self.tick += 1;
         self.touched.note(id);
-        self.bytes += b.len() as u64;
-        if let Some((old, t)) = self.map.insert(id, (b, self.tick)) {
-            self.bytes -= old.len() as u64;
+        self.bytes += v.weight();
+        if let Some((old, t)) = self.map.insert(id, (v, self.tick)) {
+            self.bytes -= old.weight();
             self.order.remove(&t);
         }
         self.order.insert(self.tick, id);
     }
-    fn remove(&mut self, id: &PageId) -> Option<Bytes> {
-        let (b, t) = self.map.remove(id)?;
+    fn remove(&mut self, id: &PageId) -> Option<V> {
+        let (v, t) = self.map.remove(id)?;
         self.touched.note(*id);
         self.order.remove(&t);
-        self.bytes -= b.len() as u64;
-        Some(b)
+        self.bytes -= v.weight();
+        Some(v)
     }
     /// Inserts, then evicts least recently used pages until `budget` holds; returns them.
-    fn insert_within(&mut self, id: PageId, b: Bytes, budget: u64) -> Vec<(PageId, Bytes)> {
-        self.insert(id, b);
+    fn insert_within(&mut self, id: PageId, v: V, budget: u64) -> Vec<(PageId, V)> {
+        self.insert(id, v);
+        self.evict_to(budget)
+    }
+    /// Evicts least recently used pages until `budget` holds; returns them.
+    fn evict_to(&mut self, budget: u64) -> Vec<(PageId, V)> {
         let mut out = vec![];
         while self.bytes > budget {
             match self.pop_oldest() {
@@ -181,58 +207,18 @@ impl Lru {
         }
         out
     }
-    fn pop_oldest(&mut self) -> Option<(PageId, Bytes)> {
+    fn pop_oldest(&mut self) -> Option<(PageId, V)> {
         let (&t, &id) = self.order.iter().next()?;
         self.order.remove(&t);
-        let (b, _) = self.map.remove(&id)?;
+        let (v, _) = self.map.remove(&id)?;
         self.touched.note(id);
-        self.bytes -= b.len() as u64;
-        Some((id, b))
+        self.bytes -= v.weight();
+        Some((id, v))
     }
 }
 
 /// Disk tier index: page id → (size, last use); the bytes live in files.
-#[derive(Default)]
-struct DiskIndex {
-    map: HashMap<PageId, (u64, u64)>,
-    order: BTreeMap<u64, PageId>,
-    bytes: u64,
-    tick: u64,
-    touched: Touched,
-}
-
-impl DiskIndex {
-    fn insert(&mut self, id: PageId, size: u64) {
-        self.tick += 1;
-        self.touched.note(id);
-        if let Some((s, t)) = self.map.insert(id, (size, self.tick)) {
-            self.bytes -= s;
-            self.order.remove(&t);
-        }
-        self.bytes += size;
-        self.order.insert(self.tick, id);
-    }
-    fn touch(&mut self, id: &PageId) -> bool {
-        self.tick += 1;
-        let tick = self.tick;
-        match self.map.get_mut(id) {
-            Some((_, t)) => {
-                self.order.remove(t);
-                *t = tick;
-                self.order.insert(tick, *id);
-                true
-            }
-            None => false,
-        }
-    }
-    fn remove(&mut self, id: &PageId) {
-        if let Some((s, t)) = self.map.remove(id) {
-            self.touched.note(*id);
-            self.bytes -= s;
-            self.order.remove(&t);
-        }
-    }
-}
+type DiskIndex = Lru<u64>;
 
 struct Disk {
     dir: PathBuf,
@@ -250,7 +236,7 @@ impl Disk {
 struct Far {
     mem: Arc<dyn FarMemory>,
     budget: u64,
-    lru: Mutex<Lru>,
+    lru: Mutex<Lru<Bytes>>,
     warned: AtomicBool,
 }
 
@@ -274,7 +260,7 @@ pub trait EvictSink: Send + Sync + std::fmt::Debug {
 pub struct PageStore {
     ram_budget: u64,
     sink: Mutex<Option<Arc<dyn EvictSink>>>,
-    ram: Mutex<Lru>,
+    ram: Mutex<Lru<Bytes>>,
     far: Option<Far>,
     disk: Option<Arc<Disk>>,
     writer: Mutex<Option<mpsc::Sender<(PageId, Bytes)>>>,
@@ -520,7 +506,7 @@ impl PageStore {
             self.stats.misses.fetch_add(1, Relaxed);
             return None;
         };
-        if !d.index.lock().expect("disk index").touch(id) {
+        if d.index.lock().expect("disk index").touch(id).is_none() {
             self.stats.misses.fetch_add(1, Relaxed);
             return None;
         }
@@ -783,19 +769,12 @@ fn write_page(d: &Disk, st: &StoreStats, id: PageId, bytes: &[u8]) {
     }
     let size = bytes.len() as u64;
     // Make room under the budget, least recently used first.
-    let victims: Vec<PageId> = {
-        let mut idx = d.index.lock().expect("disk index");
-        let mut v = vec![];
-        while idx.bytes + size > d.budget {
-            let Some((_, &oldest)) = idx.order.iter().next() else {
-                break;
-            };
-            idx.remove(&oldest);
-            v.push(oldest);
-        }
-        v
-    };
-    for v in &victims {
+    let victims = d
+        .index
+        .lock()
+        .expect("disk index")
+        .evict_to(d.budget.saturating_sub(size));
+    for (v, _) in &victims {
         let _ = std::fs::remove_file(d.path(v));
         st.evicted_disk.fetch_add(1, Relaxed);
     }
