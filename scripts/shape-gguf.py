@@ -37,8 +37,10 @@ import ggufw  # noqa: E402
 
 @dataclass(frozen=True)
 class Shape:
-    """Hyper-parameters of a llama- or qwen2-architecture model, as in its published
-    config.json (qwen2 is llama's graph with biases on the q, k and v projections)."""
+    """Hyper-parameters of a llama-, qwen2- or qwen3moe-architecture model, as in its
+    published config.json (qwen2 is llama's graph with biases on the q, k and v projections;
+    qwen3moe has no biases, norms on q and k, and a mixture of experts in place of each
+    layer's feed-forward matrices)."""
 
     source: str  # the model whose shape this is
     vocab: int
@@ -51,7 +53,19 @@ class Shape:
     rope_base: float
     eps: float
     tied: bool  # output projection shares token_embd (no output.weight)
-    arch: str = "llama"  # llama.cpp's architecture name: "llama" or "qwen2"
+    arch: str = "llama"  # llama.cpp's architecture name: "llama", "qwen2" or "qwen3moe"
+    head_dim: int = 0  # width of an attention head; 0: dim // heads
+    experts: int = 0  # experts per layer (qwen3moe)
+    experts_used: int = 0  # experts each token goes through
+    expert_ffn: int = 0  # feed-forward width of one expert
+
+    @property
+    def hd(self) -> int:
+        return self.head_dim or self.dim // self.heads
+
+    @property
+    def moe(self) -> bool:
+        return self.experts > 0
 
     @property
     def qkv_bias(self) -> bool:
@@ -61,13 +75,14 @@ class Shape:
         """(name, length) of every bias vector (qwen2: q, k and v)."""
         if not self.qkv_bias:
             return []
-        hd = self.dim // self.heads
+        hd = self.hd
         return [(f"blk.{i}.{p}.bias", n * hd) for i in range(layers)
                 for p, n in (("attn_q", self.heads), ("attn_k", self.kv_heads), ("attn_v", self.kv_heads))]
 
-    def matrices(self, layers: int) -> list[tuple[str, tuple[int, int]]]:
-        """(name, numpy shape (rows, cols)) of every matrix, in llama.cpp's order."""
-        hd = self.dim // self.heads
+    def matrices(self, layers: int) -> list[tuple[str, tuple[int, ...]]]:
+        """(name, numpy shape) of every quantized matrix, in llama.cpp's order: (rows, cols),
+        or (experts, rows, cols) for a layer's stacked experts."""
+        hd = self.hd
         out = [("token_embd.weight", (self.vocab, self.dim))]
         if not self.tied:
             out.append(("output.weight", (self.vocab, self.dim)))
@@ -77,16 +92,37 @@ class Shape:
                 (f"blk.{i}.attn_k.weight", (self.kv_heads * hd, self.dim)),
                 (f"blk.{i}.attn_v.weight", (self.kv_heads * hd, self.dim)),
                 (f"blk.{i}.attn_output.weight", (self.dim, self.heads * hd)),
-                (f"blk.{i}.ffn_gate.weight", (self.ffn, self.dim)),
-                (f"blk.{i}.ffn_up.weight", (self.ffn, self.dim)),
-                (f"blk.{i}.ffn_down.weight", (self.dim, self.ffn)),
             ]
+            if self.moe:
+                e, f = self.experts, self.expert_ffn
+                out += [
+                    (f"blk.{i}.ffn_gate_exps.weight", (e, f, self.dim)),
+                    (f"blk.{i}.ffn_down_exps.weight", (e, self.dim, f)),
+                    (f"blk.{i}.ffn_up_exps.weight", (e, f, self.dim)),
+                ]
+            else:
+                out += [
+                    (f"blk.{i}.ffn_gate.weight", (self.ffn, self.dim)),
+                    (f"blk.{i}.ffn_up.weight", (self.ffn, self.dim)),
+                    (f"blk.{i}.ffn_down.weight", (self.dim, self.ffn)),
+                ]
+        return out
+
+    def vectors(self, layers: int) -> list[tuple[str, tuple[int, ...]]]:
+        """(name, numpy shape) of every F32 tensor but the biases: norms, and each MoE
+        layer's router (llama.cpp's conversions keep it unquantized)."""
+        out = [("output_norm.weight", (self.dim,))]
+        for i in range(layers):
+            out += [(f"blk.{i}.attn_norm.weight", (self.dim,)), (f"blk.{i}.ffn_norm.weight", (self.dim,))]
+            if self.moe:
+                out += [(f"blk.{i}.attn_q_norm.weight", (self.hd,)), (f"blk.{i}.attn_k_norm.weight", (self.hd,)),
+                        (f"blk.{i}.ffn_gate_inp.weight", (self.experts, self.dim))]
         return out
 
     def params(self, layers: int) -> int:
         """Parameter count with `layers` blocks (norm vectors included)."""
-        n = sum(r * c for _, (r, c) in self.matrices(layers))
-        return n + self.dim * (2 * layers + 1) + sum(n for _, n in self.biases(layers))
+        n = sum(int(np.prod(s)) for _, s in self.matrices(layers) + self.vectors(layers))
+        return n + sum(n for _, n in self.biases(layers))
 
 
 # From each model's config.json on its publisher's page (Meta's Llama 3.x releases, Qwen's
@@ -99,6 +135,15 @@ SHAPES = {
     "llama-3.2-1b": Shape("meta-llama/Llama-3.2-1B", 128256, 2048, 16, 32, 8, 8192, 131072, 500000.0, 1e-5, True),
     "llama-3.2-3b": Shape("meta-llama/Llama-3.2-3B", 128256, 3072, 28, 24, 8, 8192, 131072, 500000.0, 1e-5, True),
     "llama-3.1-8b": Shape("meta-llama/Llama-3.1-8B", 128256, 4096, 32, 32, 8, 14336, 131072, 500000.0, 1e-5, False),
+    # A mixture of experts: 128 experts of width 768 per layer, 8 per token (3.3 B of its
+    # 30.5 B parameters active); ffn is the config's dense intermediate_size, unused by the
+    # graph but written as Qwen's conversion writes it.
+    "qwen3-30b-a3b": Shape("Qwen/Qwen3-30B-A3B", 151936, 2048, 48, 32, 4, 6144, 40960, 1000000.0, 1e-6, False,
+                           "qwen3moe", head_dim=128, experts=128, experts_used=8, expert_ffn=768),
+    # Not a published model: the smallest qwen3moe file the tests load (the bundled tiers'
+    # vocabulary, 2 layers of 8 experts), a few MiB.
+    "moe-test": Shape("mesh's tests (qwen3moe layout)", 3072, 256, 2, 4, 2, 512, 4096, 10000.0, 1e-6, False,
+                      "qwen3moe", head_dim=64, experts=8, experts_used=2, expert_ffn=128),
 }
 
 TYPES = {"q8_0": (ggufw.GGML_Q8_0, ggufw.FTYPE_Q8_0), "q4_0": (ggufw.GGML_Q4_0, ggufw.FTYPE_Q4_0)}
@@ -109,14 +154,14 @@ WEIGHT_STD = 0.02
 Q_STD = {ggufw.GGML_Q8_0: np.sqrt((256**2 - 1) / 12), ggufw.GGML_Q4_0: np.sqrt((16**2 - 1) / 12)}
 
 
-def random_blocks(seed: int, name: str, shape: tuple[int, int], ggml_type: int) -> bytes:
+def random_blocks(seed: int, name: str, shape: tuple[int, ...], ggml_type: int) -> bytes:
     """Quantized blocks of one matrix: a fixed f16 scale and random quants.
 
     The generator is seeded by (seed, CRC-32 of the tensor's name), so each tensor's bytes
     depend only on those and the same file comes out whatever order or machine.
     """
     rng = np.random.Generator(np.random.PCG64([seed, zlib.crc32(name.encode())]))
-    n_blocks = shape[0] * shape[1] // 32
+    n_blocks = int(np.prod(shape)) // 32
     per = ggufw.BLOCK_BYTES[ggml_type]
     out = np.empty((n_blocks, per), dtype=np.uint8)
     d = np.float16(WEIGHT_STD / Q_STD[ggml_type])
@@ -156,7 +201,7 @@ def write(shape_name: str, qtype: str, seed: int, layers: int | None, tokenizer:
     shape = SHAPES[shape_name]
     n_layers = shape.layers if layers is None else layers
     gtype, ftype = TYPES[qtype]
-    hd = shape.dim // shape.heads
+    hd = shape.hd
     w = ggufw.GGUFWriter()
     arch = shape.arch
     w.add_str("general.architecture", arch)
@@ -175,23 +220,31 @@ def write(shape_name: str, qtype: str, seed: int, layers: int | None, tokenizer:
     w.add_u32(f"{arch}.rope.dimension_count", hd)
     w.add_f32(f"{arch}.attention.layer_norm_rms_epsilon", shape.eps)
     w.add_u32(f"{arch}.vocab_size", shape.vocab)
+    if shape.head_dim:
+        w.add_u32(f"{arch}.attention.key_length", hd)
+        w.add_u32(f"{arch}.attention.value_length", hd)
+    if shape.moe:
+        w.add_u32(f"{arch}.expert_count", shape.experts)
+        w.add_u32(f"{arch}.expert_used_count", shape.experts_used)
+        w.add_u32(f"{arch}.expert_feed_forward_length", shape.expert_ffn)
     for key, vtype, value, elem in tokenizer_from(tokenizer, shape.vocab):
         w.add(key, vtype, value, elem)
-    ones = np.ones(shape.dim, dtype=np.float32)
     mats = dict(shape.matrices(n_layers))
     w.add_tensor_bytes("token_embd.weight", mats["token_embd.weight"], gtype,
                        lambda: random_blocks(seed, "token_embd.weight", mats["token_embd.weight"], gtype))
-    w.add_tensor("output_norm.weight", ones, ggufw.GGML_F32)
     if not shape.tied:
         w.add_tensor_bytes("output.weight", mats["output.weight"], gtype,
                            lambda: random_blocks(seed, "output.weight", mats["output.weight"], gtype))
-    for i in range(n_layers):
-        w.add_tensor(f"blk.{i}.attn_norm.weight", ones, ggufw.GGML_F32)
-        w.add_tensor(f"blk.{i}.ffn_norm.weight", ones, ggufw.GGML_F32)
-        for part in ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down"):
-            name = f"blk.{i}.{part}.weight"
-            w.add_tensor_bytes(name, mats[name], gtype,
-                               lambda name=name: random_blocks(seed, name, mats[name], gtype))
+    for name, dims in shape.vectors(n_layers):
+        if name.endswith("ffn_gate_inp.weight"):
+            # The router: random, so that tokens spread over the experts.
+            rng = np.random.Generator(np.random.PCG64([seed, zlib.crc32(name.encode())]))
+            w.add_tensor(name, rng.normal(0.0, WEIGHT_STD, dims).astype(np.float32), ggufw.GGML_F32)
+        else:
+            w.add_tensor(name, np.ones(dims, dtype=np.float32), ggufw.GGML_F32)
+    for name, dims in mats.items():
+        if name.startswith("blk."):
+            w.add_tensor_bytes(name, dims, gtype, lambda name=name: random_blocks(seed, name, mats[name], gtype))
     for name, n in shape.biases(n_layers):
         w.add_tensor(name, np.zeros(n, dtype=np.float32), ggufw.GGML_F32)
     tmp = out + ".part"
@@ -239,7 +292,8 @@ def main() -> int:
 def estimate(shape: Shape, gtype: int) -> int:
     """Tensor bytes of the whole shape (without the header)."""
     mats = sum(ggufw.tensor_nbytes(s, gtype) for _, s in shape.matrices(shape.layers))
-    return mats + 4 * (shape.dim * (2 * shape.layers + 1) + sum(n for _, n in shape.biases(shape.layers)))
+    vecs = sum(int(np.prod(s)) for _, s in shape.vectors(shape.layers))
+    return mats + 4 * (vecs + sum(n for _, n in shape.biases(shape.layers)))
 
 
 if __name__ == "__main__":

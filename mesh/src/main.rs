@@ -508,6 +508,11 @@ struct UpArgs {
     /// the tiers on the CPU. No effect without a GPU backend module (docs/gpu.md).
     #[arg(long, value_name = "N|all", value_parser = parse_gpu_layers)]
     gpu_layers: Option<mesh_tiers::GpuLayers>,
+    /// Mixture-of-experts weights of each tier kept in host memory while its other layers
+    /// go to the GPU (llama-server's `--cpu-moe` / `--n-cpu-moe N`): `all`, a count of
+    /// layers (the first N) or `none`. Default: a tier's `cpu_moe` in the node file (none).
+    #[arg(long, value_name = "all|N|none", value_parser = parse_cpu_moe)]
+    cpu_moe: Option<mesh_tiers::CpuMoe>,
     /// Folder for the KV page disk tier (one subfolder per tier); pages survive restarts.
     #[arg(long)]
     kv_dir: Option<PathBuf>,
@@ -546,6 +551,10 @@ struct UpArgs {
 
 fn parse_gpu_layers(s: &str) -> Result<mesh_tiers::GpuLayers, String> {
     mesh_tiers::GpuLayers::parse(s)
+}
+
+fn parse_cpu_moe(s: &str) -> Result<mesh_tiers::CpuMoe, String> {
+    mesh_tiers::CpuMoe::parse(s)
 }
 
 fn node_config(a: &UpArgs) -> anyhow::Result<NodeConfig> {
@@ -624,6 +633,9 @@ fn node_config(a: &UpArgs) -> anyhow::Result<NodeConfig> {
         }
         if let Some(g) = a.gpu_layers {
             t.gpu_layers = g;
+        }
+        if let Some(m) = a.cpu_moe {
+            t.cpu_moe = m;
         }
         if let Some(c) = &a.chat_template {
             t.chat_template = Some(c.clone());

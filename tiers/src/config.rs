@@ -72,6 +72,18 @@ pub struct EngineConfig {
     /// The GPU the tier runs on (0 = the first GPU). Unset: llama.cpp splits the layers over
     /// every GPU. A number past the last GPU is refused when the tier starts.
     pub gpu: Option<usize>,
+    /// Mixture-of-experts weights kept in host memory while the rest of the offloaded layers
+    /// go to the GPU (llama-server's `--cpu-moe` and `--n-cpu-moe N`): `"all"`, a count of
+    /// layers (the first N), or `"none"` (the default). The experts are most of such a
+    /// model's bytes but only a few of them run per token, so a model several times the
+    /// GPU's memory decodes with its attention and shared weights on the device and its
+    /// experts computed by the CPU. No effect on a dense model or without a GPU.
+    pub cpu_moe: CpuMoe,
+    /// Tensors kept in host memory whatever `gpu_layers` says (llama-server's
+    /// `-ot PATTERN=CPU`): regular expressions searched in each tensor's name
+    /// (`blk\.[0-9]+\.ffn_up_exps`), as llama.cpp reads them (ECMAScript syntax; mesh checks
+    /// them with Rust's, which shares the usual subset but not look-around).
+    pub cpu_tensors: Vec<String>,
     /// Speculative decoding: a draft model proposes tokens that this engine verifies in one
     /// batch (every request: greedy, sampled and grammar-constrained). `draft = "PATH"` is short for
     /// `[draft] model = "PATH"`; a node config also takes another tier's name.
@@ -234,6 +246,83 @@ impl Default for DraftConfig {
     }
 }
 
+/// The expert tensors a tier keeps in host memory (see [`EngineConfig::cpu_moe`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum CpuMoe {
+    /// Every expert tensor follows `gpu_layers`.
+    #[default]
+    None,
+    /// Every layer's experts stay in host memory.
+    All,
+    /// The experts of the first `n` layers stay in host memory.
+    First(u32),
+}
+
+/// llama.cpp's pattern for a layer's stacked expert tensors (common.h `LLM_FFN_EXPS_REGEX`:
+/// gate, up, down and fused gate-up, plain or channel-wise).
+pub const EXPERT_TENSORS: &str = "\\.ffn_(up|down|gate|gate_up)_(ch|)exps";
+
+impl CpuMoe {
+    /// `all`, `none` or a count.
+    pub fn parse(s: &str) -> Result<Self, String> {
+        match s.trim() {
+            "all" => Ok(Self::All),
+            "none" => Ok(Self::None),
+            n => n
+                .parse()
+                .map(Self::First)
+                .map_err(|_| format!("cpu moe: `{s}` is neither `all`, `none` nor a count")),
+        }
+    }
+
+    /// The tensor-name patterns it keeps in host memory, as llama-server writes them for
+    /// `--cpu-moe` (one pattern) and `--n-cpu-moe N` (one per layer, `blk\.I` first).
+    pub fn patterns(self) -> Vec<String> {
+        match self {
+            Self::None => Vec::new(),
+            Self::All => vec![EXPERT_TENSORS.to_owned()],
+            Self::First(n) => (0..n)
+                .map(|i| format!("blk\\.{i}{EXPERT_TENSORS}"))
+                .collect(),
+        }
+    }
+}
+
+impl Serialize for CpuMoe {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        match self {
+            Self::None => s.serialize_str("none"),
+            Self::All => s.serialize_str("all"),
+            Self::First(n) => s.serialize_u32(*n),
+        }
+    }
+}
+
+impl<'de> Deserialize<'de> for CpuMoe {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        count_or_word(d, Self::First, Self::parse)
+    }
+}
+
+/// A config value written as a count or a word (`4`, `"all"`): `count` makes it from a
+/// number, `parse` from text (a count in quotes included).
+fn count_or_word<'de, D: serde::Deserializer<'de>, T>(
+    d: D,
+    count: impl Fn(u32) -> T,
+    parse: impl Fn(&str) -> Result<T, String>,
+) -> Result<T, D::Error> {
+    #[derive(Deserialize)]
+    #[serde(untagged)]
+    enum Form {
+        Count(u32),
+        Text(String),
+    }
+    match Form::deserialize(d)? {
+        Form::Count(n) => Ok(count(n)),
+        Form::Text(t) => parse(&t).map_err(serde::de::Error::custom),
+    }
+}
+
 /// How many of a model's layers go to the GPU: `"all"` or a count in a config file.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum GpuLayers {
@@ -269,16 +358,7 @@ impl Serialize for GpuLayers {
 
 impl<'de> Deserialize<'de> for GpuLayers {
     fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-        #[derive(Deserialize)]
-        #[serde(untagged)]
-        enum Form {
-            Count(u32),
-            Text(String),
-        }
-        match Form::deserialize(d)? {
-            Form::Count(n) => Ok(Self::Count(n)),
-            Form::Text(t) => Self::parse(&t).map_err(serde::de::Error::custom),
-        }
+        count_or_word(d, Self::Count, Self::parse)
     }
 }
 
@@ -317,6 +397,8 @@ impl Default for EngineConfig {
             kv_pages: KvPagesConfig::default(),
             gpu_layers: GpuLayers::All,
             gpu: None,
+            cpu_moe: CpuMoe::None,
+            cpu_tensors: Vec::new(),
             draft: None,
             chat_template: None,
             thread_setup: ThreadSetup::default(),
@@ -326,7 +408,33 @@ impl Default for EngineConfig {
     }
 }
 
+/// Checks one `cpu_tensors` pattern: not empty, no NUL byte (it goes to llama.cpp as a C
+/// string), and a regular expression Rust's `regex` compiles (llama.cpp would throw on a
+/// malformed one while loading, and the load would fail without saying why).
+fn cpu_tensor_pattern(p: &str) -> Result<(), String> {
+    if p.is_empty() {
+        return Err("cpu_tensors: an empty pattern would match every tensor".into());
+    }
+    if p.contains('\0') {
+        return Err(format!(
+            "cpu_tensors: `{}` holds a NUL byte",
+            p.escape_debug()
+        ));
+    }
+    regex::Regex::new(p)
+        .map(|_| ())
+        .map_err(|e| format!("cpu_tensors: `{p}` is not a regular expression: {e}"))
+}
+
 impl EngineConfig {
+    /// Tensor-name patterns whose tensors stay in host memory: `cpu_moe`'s, then
+    /// `cpu_tensors`.
+    pub fn cpu_patterns(&self) -> Vec<String> {
+        let mut out = self.cpu_moe.patterns();
+        out.extend(self.cpu_tensors.iter().cloned());
+        out
+    }
+
     /// Checks values that llama.cpp would otherwise reject late or abort on.
     pub fn validate(&self) -> Result<(), TierError> {
         let bad = |m: &str| Err(TierError::Config(format!("{}: {m}", self.name)));
@@ -353,6 +461,11 @@ impl EngineConfig {
         if self.threads < 1 {
             return bad("threads must be at least 1");
         }
+        for p in &self.cpu_tensors {
+            if let Err(e) = cpu_tensor_pattern(p) {
+                return bad(&e);
+            }
+        }
         if let Some(d) = &self.draft {
             if d.k_min == 0 || d.k_min > d.k_init || d.k_init > d.k_max {
                 return bad("draft: need 1 <= k_min <= k_init <= k_max");
@@ -367,5 +480,89 @@ impl EngineConfig {
             }
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn cpu_moe_all_keeps_every_layers_experts_with_llama_servers_pattern() {
+        assert_eq!(
+            CpuMoe::parse("all").unwrap().patterns(),
+            vec!["\\.ffn_(up|down|gate|gate_up)_(ch|)exps".to_owned()]
+        );
+    }
+
+    #[test]
+    fn cpu_moe_of_n_layers_names_each_layer_from_the_first() {
+        assert_eq!(
+            CpuMoe::parse("2").unwrap().patterns(),
+            vec![
+                "blk\\.0\\.ffn_(up|down|gate|gate_up)_(ch|)exps".to_owned(),
+                "blk\\.1\\.ffn_(up|down|gate|gate_up)_(ch|)exps".to_owned(),
+            ]
+        );
+    }
+
+    #[test]
+    fn cpu_moe_none_keeps_nothing() {
+        assert!(CpuMoe::parse("none").unwrap().patterns().is_empty());
+        assert!(CpuMoe::default().patterns().is_empty());
+    }
+
+    #[test]
+    fn cpu_moe_refuses_other_words() {
+        let e = CpuMoe::parse("experts").unwrap_err();
+        assert!(e.contains("`experts`"), "{e}");
+    }
+
+    #[test]
+    fn a_tier_file_takes_cpu_moe_as_a_word_or_a_count() {
+        let all: EngineConfig = serde_json::from_str(r#"{"cpu_moe": "all"}"#).unwrap();
+        assert_eq!(all.cpu_moe, CpuMoe::All);
+        let four: EngineConfig = serde_json::from_str(r#"{"cpu_moe": 4}"#).unwrap();
+        assert_eq!(four.cpu_moe, CpuMoe::First(4));
+        let back = serde_json::to_value(&four).unwrap();
+        assert_eq!(back["cpu_moe"], 4);
+    }
+
+    #[test]
+    fn cpu_patterns_put_cpu_moe_before_cpu_tensors() {
+        let cfg = EngineConfig {
+            cpu_moe: CpuMoe::First(1),
+            cpu_tensors: vec!["output\\.weight".into()],
+            ..EngineConfig::default()
+        };
+        assert_eq!(
+            cfg.cpu_patterns(),
+            vec![
+                "blk\\.0\\.ffn_(up|down|gate|gate_up)_(ch|)exps".to_owned(),
+                "output\\.weight".to_owned(),
+            ]
+        );
+    }
+
+    #[test]
+    fn a_malformed_cpu_tensor_pattern_is_refused_with_the_pattern() {
+        let cfg = EngineConfig {
+            cpu_tensors: vec!["ffn_(up".into()],
+            ..EngineConfig::default()
+        };
+        let e = cfg.validate().unwrap_err().to_string();
+        assert!(
+            e.contains("cpu_tensors: `ffn_(up` is not a regular expression"),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn an_empty_cpu_tensor_pattern_is_refused() {
+        let cfg = EngineConfig {
+            cpu_tensors: vec![String::new()],
+            ..EngineConfig::default()
+        };
+        assert!(cfg.validate().is_err());
     }
 }

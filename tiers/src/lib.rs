@@ -49,8 +49,8 @@ pub mod speculative;
 pub mod stop;
 
 pub use config::{
-    DraftAcceptance, DraftConfig, EngineConfig, GpuLayers, KvPagesConfig, KvType, PageStoreRef,
-    ThreadSetup,
+    CpuMoe, DraftAcceptance, DraftConfig, EngineConfig, GpuLayers, KvPagesConfig, KvType,
+    PageStoreRef, ThreadSetup, EXPERT_TENSORS,
 };
 pub use engine::{backend, Engine, EngineStats, ModelInfo, PageHandles, STEP_PHASES};
 pub use error::TierError;
@@ -58,6 +58,6 @@ pub use request::{
     FinishReason, GenerateRequest, LogprobEntry, SamplingParams, TokenEvent, TokenLogprobs, Usage,
 };
 pub use shape::{
-    tier_device_bytes, tier_memory_bytes, ModelShape, CONTEXT_OVERHEAD_BYTES,
-    GPU_CONTEXT_OVERHEAD_BYTES,
+    bytes_matching, host_kept_bytes, tensor_sizes, tier_device_bytes, tier_memory_bytes,
+    ModelShape, CONTEXT_OVERHEAD_BYTES, GPU_CONTEXT_OVERHEAD_BYTES,
 };

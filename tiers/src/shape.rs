@@ -103,23 +103,85 @@ fn offloaded_share(gpu_layers: crate::GpuLayers, n_layer: u32) -> f64 {
 /// Device memory a tier takes on a GPU: the offloaded share (`gpu_layers`) of its weights
 /// and of a full KV cache (`n_ctx` cells), a draft model's likewise (it loads with the
 /// target's placement), and [`GPU_CONTEXT_OVERHEAD_BYTES`]. 0 for a tier kept on the CPU.
+/// `host_kept` is the bytes of the tier's weights its `cpu_moe` / `cpu_tensors` keep in
+/// host memory ([`host_kept_bytes`]), which the device does not hold.
 pub fn tier_device_bytes(
     cfg: &EngineConfig,
     shape: &ModelShape,
     draft: Option<&ModelShape>,
+    host_kept: u64,
 ) -> u64 {
-    let share = |s: &ModelShape, kv: KvType| -> f64 {
-        let whole = s.file_bytes + u64::from(cfg.n_ctx) * s.kv_bytes_per_cell(kv);
+    let share = |s: &ModelShape, kv: KvType, kept: u64| -> f64 {
+        let whole =
+            s.file_bytes.saturating_sub(kept) + u64::from(cfg.n_ctx) * s.kv_bytes_per_cell(kv);
         whole as f64 * offloaded_share(cfg.gpu_layers, s.n_layer)
     };
-    let mut bytes = share(shape, cfg.kv_type);
+    let mut bytes = share(shape, cfg.kv_type, host_kept);
     if bytes == 0.0 {
         return 0;
     }
     if let (Some(d), Some(_)) = (draft, &cfg.draft) {
-        bytes += share(d, KvType::F16);
+        bytes += share(d, KvType::F16, 0);
     }
     bytes.ceil() as u64 + GPU_CONTEXT_OVERHEAD_BYTES
+}
+
+/// Names and sizes in bytes of a GGUF's tensors, from its header (no weights are read).
+pub fn tensor_sizes(path: &Path) -> Result<Vec<(String, u64)>, TierError> {
+    let fail = |reason: String| TierError::ModelLoad {
+        path: path.display().to_string(),
+        reason,
+    };
+    let c = std::ffi::CString::new(path.as_os_str().as_encoded_bytes())
+        .map_err(|e| fail(e.to_string()))?;
+    let params = llama_cpp_sys_2::gguf_init_params {
+        no_alloc: true,
+        ctx: std::ptr::null_mut(),
+    };
+    // SAFETY: `c` is a NUL-terminated path; with `no_alloc` and no ggml context gguf reads
+    // the header only. The context is freed below, after its strings were copied out.
+    let ctx = unsafe { llama_cpp_sys_2::gguf_init_from_file(c.as_ptr(), params) };
+    if ctx.is_null() {
+        return Err(fail("not a readable GGUF file".into()));
+    }
+    let mut out = Vec::new();
+    // SAFETY: `ctx` is a valid gguf context; ids are in 0..n; names are NUL-terminated
+    // strings owned by the context, copied before it is freed.
+    unsafe {
+        let n = llama_cpp_sys_2::gguf_get_n_tensors(ctx);
+        for i in 0..n {
+            let name = std::ffi::CStr::from_ptr(llama_cpp_sys_2::gguf_get_tensor_name(ctx, i));
+            let size = llama_cpp_sys_2::gguf_get_tensor_size(ctx, i) as u64;
+            out.push((name.to_string_lossy().into_owned(), size));
+        }
+        llama_cpp_sys_2::gguf_free(ctx);
+    }
+    Ok(out)
+}
+
+/// Bytes of the tensors whose names contain a match of any of `patterns` (searched, as
+/// llama.cpp applies its buffer-type overrides). Patterns that do not compile match nothing
+/// (the tier's config check refuses them first).
+pub fn bytes_matching(tensors: &[(String, u64)], patterns: &[String]) -> u64 {
+    let res: Vec<regex::Regex> = patterns
+        .iter()
+        .filter_map(|p| regex::Regex::new(p).ok())
+        .collect();
+    tensors
+        .iter()
+        .filter(|(name, _)| res.iter().any(|r| r.is_match(name)))
+        .map(|(_, bytes)| bytes)
+        .sum()
+}
+
+/// Bytes of `cfg`'s model that its `cpu_moe` and `cpu_tensors` keep in host memory; 0
+/// when it keeps none or the file's header cannot be read.
+pub fn host_kept_bytes(cfg: &EngineConfig) -> u64 {
+    let patterns = cfg.cpu_patterns();
+    if patterns.is_empty() {
+        return 0;
+    }
+    tensor_sizes(&cfg.model).map_or(0, |t| bytes_matching(&t, &patterns))
 }
 
 #[cfg(test)]
@@ -171,7 +233,7 @@ mod tests {
         };
         let whole = (1u64 << 30) + 4096 * (32 << 10);
         assert_eq!(
-            tier_device_bytes(&half, &shape(), None),
+            tier_device_bytes(&half, &shape(), None, 0),
             whole / 2 + GPU_CONTEXT_OVERHEAD_BYTES
         );
     }
@@ -182,6 +244,42 @@ mod tests {
             gpu_layers: crate::GpuLayers::Count(0),
             ..EngineConfig::default()
         };
-        assert_eq!(tier_device_bytes(&cpu, &shape(), None), 0);
+        assert_eq!(tier_device_bytes(&cpu, &shape(), None, 0), 0);
+    }
+
+    fn moe_tensors() -> Vec<(String, u64)> {
+        let mut t = vec![("token_embd.weight".to_owned(), 100)];
+        for i in [0, 1, 10] {
+            t.push((format!("blk.{i}.attn_q.weight"), 10));
+            for p in ["gate", "up", "down"] {
+                t.push((format!("blk.{i}.ffn_{p}_exps.weight"), 1000));
+            }
+            t.push((format!("blk.{i}.ffn_gate_inp.weight"), 1));
+        }
+        t
+    }
+
+    #[test]
+    fn cpu_moe_all_counts_every_expert_tensor_and_nothing_else() {
+        let kept = bytes_matching(&moe_tensors(), &crate::CpuMoe::All.patterns());
+        assert_eq!(kept, 9 * 1000);
+    }
+
+    #[test]
+    fn cpu_moe_of_two_layers_leaves_layer_ten_on_the_device() {
+        let kept = bytes_matching(&moe_tensors(), &crate::CpuMoe::First(2).patterns());
+        assert_eq!(kept, 6 * 1000);
+    }
+
+    #[test]
+    fn weights_kept_in_host_memory_leave_the_device_estimate() {
+        let cfg = EngineConfig {
+            n_ctx: 4096,
+            draft: None,
+            ..EngineConfig::default()
+        };
+        let all = tier_device_bytes(&cfg, &shape(), None, 0);
+        let kept = tier_device_bytes(&cfg, &shape(), None, 600 << 20);
+        assert_eq!(all - kept, 600 << 20);
     }
 }

@@ -23,7 +23,7 @@
 //!
 //! [`Speculative`] is the stand-alone form (its own two contexts, used by the
 //! evaluation). The serving engine runs the same rounds inside its continuous-batching
-//! loop when its config has a draft ([`crate::DraftConfig`]); see `engine.rs`.
+//! loop when its config has a draft ([`crate::DraftConfig`]); see `engine/drafting.rs`.
 
 use std::num::NonZeroU32;
 

@@ -352,7 +352,12 @@ impl TierNeeds {
                 name: t.name.clone(),
                 threads: t.threads.max(1) as u32,
                 bytes: mesh_tiers::tier_memory_bytes(t, &shape, draft.as_ref()),
-                gpu_bytes: mesh_tiers::tier_device_bytes(t, &shape, draft.as_ref()),
+                gpu_bytes: mesh_tiers::tier_device_bytes(
+                    t,
+                    &shape,
+                    draft.as_ref(),
+                    mesh_tiers::host_kept_bytes(t),
+                ),
             });
         }
         Self { cores, tiers: out }

@@ -87,7 +87,12 @@ pub fn gpu_demands(tiers: &[EngineConfig]) -> Vec<GpuDemand> {
                             .draft
                             .as_ref()
                             .and_then(|d| ModelShape::read(&d.model).ok());
-                        mesh_tiers::tier_device_bytes(t, &shape, draft.as_ref())
+                        mesh_tiers::tier_device_bytes(
+                            t,
+                            &shape,
+                            draft.as_ref(),
+                            mesh_tiers::host_kept_bytes(t),
+                        )
                     }
                     Err(e) => {
                         warn!(tier = %t.name, error = %e, "model shape unread: no gpu plan for it");
