@@ -30,6 +30,7 @@ pub mod embeddings;
 pub mod engines;
 pub mod governor;
 pub mod membership;
+pub mod membership_sim;
 pub mod node;
 pub mod pagestore;
 pub mod planner;

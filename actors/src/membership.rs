@@ -203,6 +203,11 @@ impl Membership {
         }
     }
 
+    /// Silence after which a peer is declared dead.
+    pub fn failure_timeout(&self) -> Duration {
+        self.failure_timeout
+    }
+
     /// Applies `input` at `now`; returns what the driver must do, in order.
     pub fn step(&mut self, input: Input, now: Instant) -> Vec<Effect> {
         match input {
@@ -1031,162 +1036,27 @@ mod tests {
         assert_eq!(redials, vec![8, 16, 24]);
     }
 
-    /// Nodes running the real table over a simulated full-mesh network: each period every
-    /// node up sends its heartbeat over each connection it holds (each lost with
-    /// probability `loss`), then ticks; effects dial, close and report as the driver would.
-    struct Sim {
-        tables: Vec<Membership>,
-        up: Vec<bool>,
-        started: Vec<u64>,
-        conns: Vec<BTreeSet<usize>>,
-        /// (period, observer, dead node) for every death reported.
-        deaths: Vec<(u64, usize, usize)>,
-        loss: f64,
-        rng: u64,
-        period: u64,
-        t0: Instant,
-    }
-
     const PERIOD: Duration = Duration::from_millis(250);
     const TIMEOUT: Duration = Duration::from_secs(2);
 
-    impl Sim {
-        /// `n` nodes, each connected to node 0 (its seed), not yet to each other.
-        fn new(n: usize, loss: f64, seed: u64) -> Self {
-            let mut conns = vec![BTreeSet::new(); n];
-            for i in 1..n {
-                conns[0].insert(i);
-                conns[i].insert(0);
-            }
-            Self {
-                tables: (0..n)
-                    .map(|i| Membership::new(format!("n{i}"), TIMEOUT))
-                    .collect(),
-                up: vec![true; n],
-                started: vec![1; n],
-                conns,
-                deaths: vec![],
-                loss,
-                rng: seed,
-                period: 0,
-                t0: Instant::now(),
-            }
-        }
-
-        /// splitmix64: a uniform draw in [0, 1).
-        fn draw(&mut self) -> f64 {
-            self.rng = self.rng.wrapping_add(0x9E37_79B9_7F4A_7C15);
-            let mut z = self.rng;
-            z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-            z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-            ((z ^ (z >> 31)) >> 11) as f64 / (1u64 << 53) as f64
-        }
-
-        fn index(name: &str) -> usize {
-            name[1..].parse().unwrap()
-        }
-
-        fn connect(&mut self, a: usize, b: usize) {
-            if a != b && self.up[b] {
-                self.conns[a].insert(b);
-                self.conns[b].insert(a);
-            }
-        }
-
-        fn perform(&mut self, at: usize, effects: Vec<Effect>, now: Instant) {
-            for e in effects {
-                match e {
-                    Effect::Dial { node, .. } => self.connect(at, Self::index(&node)),
-                    Effect::Close(node) => {
-                        let other = Self::index(&node);
-                        self.conns[at].remove(&other);
-                        if self.conns[other].remove(&at) && self.up[other] {
-                            let closed = Input::Closed {
-                                node: format!("n{at}"),
-                                current: true,
-                                leaving: false,
-                            };
-                            let more = self.tables[other].step(closed, now);
-                            self.perform(other, more, now);
-                        }
-                    }
-                    Effect::RedialSeeds { known } => {
-                        if at != 0 && !known.contains(&"n0".to_owned()) {
-                            self.connect(at, 0);
-                        }
-                    }
-                    Effect::Died(node, _) => {
-                        self.deaths.push((self.period, at, Self::index(&node)));
-                    }
-                    Effect::Joined(_)
-                    | Effect::Rejoined(_)
-                    | Effect::Left(_)
-                    | Effect::FetchPages { .. } => {}
-                }
-            }
-        }
-
-        fn advert_of(&mut self, i: usize) -> NodeAdvert {
-            let mut a = advert(&format!("n{i}"), self.started[i], &[]);
-            a.quic_addr = format!("n{i}");
-            a.peers = self.tables[i].gossip_for_period();
-            a
-        }
-
-        fn run(&mut self, periods: u64) {
-            for _ in 0..periods {
-                self.period += 1;
-                let now = self.t0 + PERIOD * self.period as u32;
-                let n = self.tables.len();
-                for i in 0..n {
-                    if !self.up[i] {
-                        continue;
-                    }
-                    let advert = self.advert_of(i);
-                    for j in self.conns[i].clone() {
-                        if self.draw() < self.loss || !self.up[j] {
-                            continue;
-                        }
-                        let effects = self.tables[j].step(Input::Heartbeat(advert.clone()), now);
-                        self.perform(j, effects, now);
-                    }
-                }
-                for i in 0..n {
-                    if !self.up[i] {
-                        continue;
-                    }
-                    let effects = self.tables[i].step(Input::Tick, now);
-                    self.perform(i, effects, now);
-                }
-            }
-        }
-
-        /// Whether every node up sees every other node up alive, and no other.
-        fn converged(&self) -> bool {
-            (0..self.tables.len()).filter(|i| self.up[*i]).all(|i| {
-                let alive: BTreeSet<usize> = self.tables[i]
-                    .alive()
-                    .map(|p| Self::index(&p.advert.node))
-                    .collect();
-                alive
-                    == (0..self.tables.len())
-                        .filter(|j| *j != i && self.up[*j])
-                        .collect()
-            })
-        }
+    /// `n` nodes of the simulated fleet ([`crate::membership_sim`]) at `loss`.
+    fn sim(n: usize, loss: f64, seed: u64) -> crate::membership_sim::Sim {
+        let mut s = crate::membership_sim::Sim::new(n, PERIOD, TIMEOUT, seed);
+        s.loss = loss;
+        s
     }
 
     #[test]
     fn nodes_joining_through_one_seed_all_see_each_other_within_three_periods() {
-        let mut sim = Sim::new(32, 0.0, 1);
+        let mut sim = sim(32, 0.0, 1);
         sim.run(3);
         assert!(sim.converged());
-        assert!(sim.conns.iter().all(|c| c.len() == 31));
+        assert!((0..32).all(|i| sim.connections(i) == 31));
     }
 
     #[test]
     fn no_peer_is_declared_dead_in_ten_thousand_periods_at_one_percent_loss() {
-        let mut sim = Sim::new(16, 0.01, 7);
+        let mut sim = sim(16, 0.01, 7);
         sim.run(10_000);
         assert_eq!(sim.deaths, vec![]);
         assert!(sim.converged());
@@ -1194,10 +1064,10 @@ mod tests {
 
     #[test]
     fn a_crashed_node_is_declared_dead_by_every_peer_within_the_timeout_and_a_period() {
-        let mut sim = Sim::new(16, 0.01, 11);
+        let mut sim = sim(16, 0.01, 11);
         sim.run(20);
         let crashed_at = sim.period;
-        sim.up[5] = false;
+        sim.crash(5);
         sim.run(20);
         let seen: BTreeSet<usize> = sim.deaths.iter().map(|d| d.1).collect();
         assert_eq!(seen, (0..16).filter(|i| *i != 5).collect());
@@ -1215,7 +1085,7 @@ mod tests {
 
     #[test]
     fn false_deaths_under_heavy_loss_heal_once_the_loss_stops() {
-        let mut sim = Sim::new(16, 0.5, 3);
+        let mut sim = sim(16, 0.5, 3);
         sim.run(2_000);
         assert!(
             !sim.deaths.is_empty(),
@@ -1224,5 +1094,15 @@ mod tests {
         sim.loss = 0.0;
         sim.run(3 * SEED_PERIODS);
         assert!(sim.converged());
+    }
+
+    #[test]
+    fn a_nodes_pages_beyond_its_advert_reach_every_peers_index_through_its_page_log() {
+        let mut sim = sim(8, 0.0, 5);
+        sim.run(3);
+        let ids: Vec<u64> = (1..=5_000).collect();
+        sim.hold_pages(3, ids);
+        sim.run(3);
+        assert_eq!(sim.least_indexed(3), 5_000);
     }
 }

@@ -20,6 +20,7 @@ mod gguf;
 mod index;
 mod levels;
 mod machine;
+mod membership;
 mod mooncake;
 mod page;
 mod prefix;
@@ -78,6 +79,9 @@ enum Command {
     /// Routing lookups of a prompt's prefix pages across a synthetic fleet: the peers' page
     /// index vs a hash set of each candidate's advertised ids per request.
     Index(index::IndexArgs),
+    /// The membership table at fleet sizes in one process (simulated network with loss and
+    /// delay): failure detection, false deaths, control bytes, pages routable.
+    Membership(membership::MembershipArgs),
 }
 
 #[tokio::main(flavor = "current_thread")]
@@ -96,5 +100,6 @@ async fn main() -> anyhow::Result<()> {
         Command::Proxy(args) => proxy::run(args).await,
         Command::Report(args) => page::run(args),
         Command::Index(args) => index::run(args).await,
+        Command::Membership(args) => membership::run(args).await,
     }
 }

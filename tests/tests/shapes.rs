@@ -63,20 +63,24 @@ fn shared_q4() -> &'static Path {
 }
 
 fn up(dir: &Path, model: &Path) -> Node {
-    Node::up(
-        dir,
-        &[
-            "--tier",
-            &format!("t1={}", model.display()),
-            "--threads",
-            "1",
-            "--ctx",
-            "256",
-            "--parallel",
-            "1",
-        ],
-    )
-    .unwrap_or_else(|log| panic!("node did not start:\n{log}"))
+    up_with(dir, model, &[])
+}
+
+/// A node serving `model` as t1 on one thread and one slot, with `extra` arguments.
+fn up_with(dir: &Path, model: &Path, extra: &[&str]) -> Node {
+    let tier = format!("t1={}", model.display());
+    let mut args = vec![
+        "--tier",
+        &tier,
+        "--threads",
+        "1",
+        "--ctx",
+        "256",
+        "--parallel",
+        "1",
+    ];
+    args.extend_from_slice(extra);
+    Node::up(dir, &args).unwrap_or_else(|log| panic!("node did not start:\n{log}"))
 }
 
 /// The parameter count llama.cpp reports for the node's t1, and the model list it is in.
@@ -199,19 +203,7 @@ fn write_moe(dir: &Path) -> PathBuf {
 
 /// Greedy text of 16 tokens from a node on `model` started with `extra` arguments.
 async fn moe_text(dir: &Path, model: &Path, extra: &[&str]) -> String {
-    let tier = format!("t1={}", model.display());
-    let mut args = vec![
-        "--tier",
-        &tier,
-        "--threads",
-        "1",
-        "--ctx",
-        "256",
-        "--parallel",
-        "1",
-    ];
-    args.extend_from_slice(extra);
-    let node = Node::up(dir, &args).unwrap_or_else(|log| panic!("node did not start:\n{log}"));
+    let node = up_with(dir, model, extra);
     let body = json!({"model": "t1", "prompt": "Weather in Oslo?", "max_tokens": 16,
                       "ignore_eos": true, "temperature": 0});
     let url = format!("{}/v1/completions", node.http);
