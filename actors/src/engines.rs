@@ -1,5 +1,6 @@
-//! The engines of a node: the actor that supervises its tier actors, and the registry the
-//! request path reads to find them.
+//! The engines of a node: the actor that supervises its tier actors and owns the table of
+//! them ([`EngineTable`]), and the read side the request path finds them through
+//! ([`Engines`]: the table the actor last published).
 //!
 //! ```text
 //! EnginesActor ──linked──▶ TierActor(t1) ─▶ engine thread
@@ -7,22 +8,22 @@
 //!              ──linked──▶ TierActor(t3:q4_0:-)   (a variant the quantization policy names)
 //! ```
 //!
-//! A tier actor that fails (its engine thread died, or it panicked) leaves the registry at
+//! A tier actor that fails (its engine thread died, or it panicked) leaves the table at
 //! once — the hook [`Engines::on_change`] tells membership to advertise without it right
 //! away — and is started again from the same config after the back-off of its
 //! [`RestartPolicy`]; past the policy's intensity the engines actor fails itself and the node
 //! supervisor decides. Requests waiting for a restarting tier use [`Engines::wait_for`].
 //!
 //! **Quantization policy.** Another GGUF variant or KV cache type of a tier runs as one
-//! more engine, a *variant*, kept in [`Variants`] by engine id, not in the registry, so peers,
+//! more engine, a *variant*, kept in [`EngineTable::variants`] by engine id, not with the tiers' own, so peers,
 //! `/v1/models` and the default path see one engine per tier.
 //!
 //! ```text
 //!            role (tool_calls | reasoning | summaries), tier
-//! request ──▶ policy.quantization.get(role, tier) ──None──▶ the tier's engine (registry)
+//! request ──▶ policy.quantization.get(role, tier) ──None──▶ the tier's engine (running)
 //!                          │ Some(entry)
 //!                          ▼
-//!            Variants[engine_id(tier, entry)] ──missing──▶ the tier's engine
+//!            variants[engine_id(tier, entry)] ──missing──▶ the tier's engine
 //!                          │
 //!                          ▼  lease held until the response ends
 //!                    variant engine (same tier name, other GGUF / KV type)
@@ -31,7 +32,7 @@
 //! A reload ([`Engines::resolve`], [`Engines::start`], [`Engines::retire_unused`]) checks a
 //! new policy (tier hosted here, GGUF present), starts the engines it needs, and only then is
 //! the policy swapped in by its caller. Engines the new policy no longer names leave the
-//! lookup map at once; requests already on them keep their stream, and each is stopped once
+//! lookup map as soon as the actor has taken the retire; requests already on them keep their stream, and each is stopped once
 //! nobody holds its lease and its engine counts no running or queued sequence (the actor
 //! checks every [`DRAIN_POLL`]).
 
@@ -39,10 +40,9 @@ use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::io::Read as _;
 use std::path::PathBuf;
 use std::sync::atomic::Ordering::Relaxed;
-use std::sync::{Arc, Mutex, OnceLock, PoisonError};
+use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 
-use dashmap::DashMap;
 use mesh_control::policy::{kv_name, QuantPolicy, Role, TierQuant};
 use mesh_tiers::{EngineConfig, KvType};
 use ractor::{Actor, ActorProcessingErr, ActorRef, RpcReplyPort, SupervisionEvent};
@@ -69,9 +69,6 @@ pub struct TierEntry {
     pub desc: TierDescription,
 }
 
-/// Running tiers of this node by name.
-pub type Registry = Arc<DashMap<String, TierEntry>>;
-
 /// An engine the quantization policy runs besides a tier's default one.
 #[derive(Debug, Clone)]
 pub struct VariantEntry {
@@ -90,8 +87,24 @@ pub struct VariantEntry {
     pub since: Instant,
 }
 
-/// Variant engines by engine id ([`engine_id`]).
-pub type Variants = Arc<DashMap<String, VariantEntry>>;
+/// The engines of a node: owned by the [`EnginesActor`], which publishes a copy after
+/// every change; the request path reads the copy ([`Engines::table`]).
+#[derive(Debug, Clone, Default)]
+pub struct EngineTable {
+    /// Running tiers (each tier's own engine) by name.
+    pub running: BTreeMap<String, TierEntry>,
+    /// Variant engines serving now, by engine id ([`engine_id`]).
+    pub variants: BTreeMap<String, VariantEntry>,
+    /// Retired engines still finishing requests (a drained tier's own engine is here under
+    /// the tier's name).
+    pub draining: BTreeMap<String, VariantEntry>,
+    /// Variants the policy wants, with their configs (started again with the actor).
+    pub wanted: BTreeMap<String, EngineConfig>,
+    /// Configured tiers this node does not run now: it starts them on request.
+    pub standby: BTreeSet<String>,
+    /// Running tiers started on request rather than by the config.
+    pub on_request: BTreeSet<String>,
+}
 
 /// Which engine of a tier served a request (`mesh.engine` in responses).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, serde::Deserialize)]
@@ -159,34 +172,26 @@ type Hook = Box<dyn Fn() + Send + Sync>;
 
 /// The engines of this node: the read side of the [`EnginesActor`] (cheap to clone).
 ///
-/// Everything here survives a restart of the actor: the registry is emptied and refilled
-/// by the next incarnation, and the variants the policy wants are started again.
+/// The table survives a restart of the actor: the next incarnation starts from the last one
+/// published (the tiers started on request, the variants the policy wants), with no engine
+/// running, and starts them again.
 #[derive(Clone)]
 pub struct Engines {
     tiers: Arc<BTreeMap<String, EngineConfig>>,
-    registry: Registry,
-    variants: Variants,
-    /// Variants the policy wants, with their configs (restarted with the actor).
-    wanted: Arc<Mutex<BTreeMap<String, EngineConfig>>>,
-    /// Retired engines still finishing requests (the entry without its lease); a drained
-    /// tier's own engine is here under the tier's name.
-    draining: Arc<DashMap<String, VariantEntry>>,
-    /// Configured tiers this node does not run now: it starts them on request.
-    standby: Arc<Mutex<BTreeSet<String>>>,
-    /// Running tiers started on request rather than by the config.
-    on_request: Arc<Mutex<BTreeSet<String>>>,
-    changed: Arc<watch::Sender<u64>>,
+    /// The table the actor published last.
+    view: Arc<watch::Sender<Arc<EngineTable>>>,
     actor: Arc<ActorSlot<EnginesMsg>>,
     on_change: Arc<OnceLock<Hook>>,
 }
 
 impl std::fmt::Debug for Engines {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let t = self.table();
         f.debug_struct("Engines")
             .field("tiers", &self.tiers.keys().collect::<Vec<_>>())
-            .field("running", &self.registry.len())
-            .field("variants", &self.variants.len())
-            .field("draining", &self.draining.len())
+            .field("running", &t.running.len())
+            .field("variants", &t.variants.len())
+            .field("draining", &t.draining.len())
             .finish()
     }
 }
@@ -197,13 +202,7 @@ impl Engines {
     pub fn new(tiers: &[EngineConfig]) -> Self {
         Self {
             tiers: Arc::new(tiers.iter().map(|t| (t.name.clone(), t.clone())).collect()),
-            registry: Registry::default(),
-            variants: Variants::default(),
-            wanted: Arc::default(),
-            draining: Arc::default(),
-            standby: Arc::default(),
-            on_request: Arc::default(),
-            changed: Arc::new(watch::Sender::new(0)),
+            view: Arc::new(watch::Sender::new(Arc::default())),
             actor: Arc::default(),
             on_change: Arc::default(),
         }
@@ -217,23 +216,27 @@ impl Engines {
     /// Marks the configured tiers `names` as standby: not started with the node, started
     /// when asked ([`Engines::load`]). Names without a config are ignored.
     pub fn with_standby<'a>(self, names: impl IntoIterator<Item = &'a str>) -> Self {
-        {
-            let mut s = lock(&self.standby);
-            for n in names {
-                if self.tiers.contains_key(n) {
-                    s.insert(n.to_owned());
-                }
-            }
-        }
+        let names: Vec<String> = names
+            .into_iter()
+            .filter(|n| self.tiers.contains_key(*n))
+            .map(str::to_owned)
+            .collect();
+        self.view
+            .send_modify(|t| Arc::make_mut(t).standby.extend(names));
         self
+    }
+
+    /// The engines as the actor last published them.
+    pub fn table(&self) -> Arc<EngineTable> {
+        self.view.borrow().clone()
     }
 
     /// Tiers started with the node (configured, not standby).
     pub fn autostart(&self) -> Vec<String> {
-        let s = lock(&self.standby);
+        let t = self.table();
         self.tiers
             .keys()
-            .filter(|n| !s.contains(*n))
+            .filter(|n| !t.standby.contains(*n))
             .cloned()
             .collect()
     }
@@ -245,26 +248,23 @@ impl Engines {
 
     /// Configured tiers not running now that this node starts on request.
     pub fn loadable(&self) -> Vec<String> {
-        lock(&self.standby).iter().cloned().collect()
+        self.table().standby.iter().cloned().collect()
     }
 
     /// Running tiers started on request.
     pub fn on_request(&self) -> Vec<String> {
-        lock(&self.on_request).iter().cloned().collect()
+        self.table().on_request.iter().cloned().collect()
     }
 
     /// Threads of the engines running now (tiers and variants, draining ones included).
     pub fn threads_used(&self) -> u32 {
         let t = |cfg: Option<&EngineConfig>| cfg.map_or(0, |c| c.threads.max(1) as u32);
-        let tiers: u32 = self
-            .registry
-            .iter()
-            .map(|e| t(self.tiers.get(e.key())))
-            .sum();
-        let others: u32 = self
+        let table = self.table();
+        let tiers: u32 = table.running.keys().map(|k| t(self.tiers.get(k))).sum();
+        let others: u32 = table
             .variants
-            .iter()
-            .chain(self.draining.iter())
+            .values()
+            .chain(table.draining.values())
             .map(|v| t(self.tiers.get(&v.tier)))
             .sum();
         tiers + others
@@ -306,16 +306,18 @@ impl Engines {
         let _ = self.on_change.set(Box::new(hook));
     }
 
-    fn changed(&self) {
-        self.changed.send_modify(|n| *n += 1);
+    /// Publishes the actor's table and calls the change hook. Draining engines go out with
+    /// a lease of their own: their real one is counted by the actor (an engine stops when
+    /// nothing but the actor's table holds it), and no request picks a draining engine.
+    fn publish(&self, table: &EngineTable) {
+        let mut copy = table.clone();
+        for v in copy.draining.values_mut() {
+            v.lease = Arc::new(());
+        }
+        self.view.send_replace(Arc::new(copy));
         if let Some(h) = self.on_change.get() {
             h();
         }
-    }
-
-    /// The running tiers by name.
-    pub fn registry(&self) -> &Registry {
-        &self.registry
     }
 
     /// Names of the tiers this node is configured to host.
@@ -326,12 +328,12 @@ impl Engines {
     /// Whether this node hosts `tier`: configured for it and not in standby (a request
     /// waits for such a tier while it restarts).
     pub fn hosts(&self, tier: &str) -> bool {
-        self.tiers.contains_key(tier) && !lock(&self.standby).contains(tier)
+        self.tiers.contains_key(tier) && !self.view.borrow().standby.contains(tier)
     }
 
     /// The running tier `tier`.
     pub fn get(&self, tier: &str) -> Option<TierEntry> {
-        self.registry.get(tier).map(|e| e.value().clone())
+        self.view.borrow().running.get(tier).cloned()
     }
 
     /// The running tier `tier`, waiting up to `timeout` for it to (re)start when this node
@@ -349,7 +351,7 @@ impl Engines {
         if !self.hosts(tier) {
             return self.get(tier).filter(fresh);
         }
-        let mut rx = self.changed.subscribe();
+        let mut rx = self.view.subscribe();
         let deadline = tokio::time::Instant::now() + timeout;
         loop {
             if let Some(e) = self.get(tier).filter(fresh) {
@@ -435,9 +437,10 @@ impl Engines {
     /// ones this call started and reports which engine failed. Not cancel-safe (an engine
     /// started before the cancel keeps running until the next retire).
     pub async fn start(&self, wanted: &BTreeMap<String, EngineConfig>) -> Result<(), String> {
+        let table = self.table();
         let missing: Vec<(&String, &EngineConfig)> = wanted
             .iter()
-            .filter(|(id, _)| !self.variants.contains_key(*id))
+            .filter(|(id, _)| !table.variants.contains_key(*id))
             .collect();
         if missing.is_empty() {
             return Ok(());
@@ -456,7 +459,10 @@ impl Engines {
             .map_err(|e| e.to_string())
             .and_then(|r| r);
             if let Err(e) = r {
-                let _ = actor.send_message(EnginesMsg::Retire { ids: started });
+                let _ = actor.send_message(EnginesMsg::Retire {
+                    ids: started,
+                    reply: None,
+                });
                 return Err(format!(
                     "engine {id} ({}, kv {}) did not start: {e}",
                     cfg.model.display(),
@@ -468,34 +474,27 @@ impl Engines {
         Ok(())
     }
 
-    /// Takes every running variant that `wanted` does not name out of the lookup map at once
-    /// (it is listed as draining); the actor stops each once it is idle (no request holds its
-    /// lease, nothing running or queued on its engine).
-    pub fn retire_unused(&self, wanted: &BTreeMap<String, EngineConfig>) {
+    /// Takes every running variant that `wanted` does not name out of the lookup map (it is
+    /// listed as draining once this returns); the actor stops each once it is idle (no
+    /// request holds its lease, nothing running or queued on its engine).
+    ///
+    /// Cancel safety: cancel-safe (the actor finishes the retire).
+    pub async fn retire_unused(&self, wanted: &BTreeMap<String, EngineConfig>) {
         let old: Vec<String> = self
+            .table()
             .variants
-            .iter()
-            .map(|e| e.key().clone())
-            .filter(|id| !wanted.contains_key(id))
+            .keys()
+            .filter(|id| !wanted.contains_key(*id))
+            .cloned()
             .collect();
         if old.is_empty() {
             return;
         }
-        self.retire(&old);
         if let Some(actor) = self.actor.get() {
-            let _ = actor.send_message(EnginesMsg::Retire { ids: old });
-        }
-    }
-
-    /// Moves variants from the lookup map to the draining ones and forgets their configs.
-    fn retire(&self, ids: &[String]) {
-        let mut wanted = self.wanted.lock().unwrap_or_else(PoisonError::into_inner);
-        for id in ids {
-            wanted.remove(id);
-            if let Some((_, v)) = self.variants.remove(id) {
-                info!(engine = %id, "engine retired by the policy; draining");
-                self.draining.insert(id.clone(), v);
-            }
+            let _ = ractor::call!(actor, |reply| EnginesMsg::Retire {
+                ids: old,
+                reply: Some(reply),
+            });
         }
     }
 
@@ -503,10 +502,7 @@ impl Engines {
     /// policy names one that runs, else `entry` itself.
     pub fn pick(&self, q: &QuantPolicy, role: Role, tier: &str, entry: TierEntry) -> Picked {
         if let Some(tq) = q.get(role, tier) {
-            let hit = self
-                .variants
-                .get(&engine_id(tier, tq))
-                .map(|v| v.value().clone());
+            let hit = self.table().variants.get(&engine_id(tier, tq)).cloned();
             if let Some(v) = hit {
                 return Picked {
                     info: EngineInfo {
@@ -539,14 +535,15 @@ impl Engines {
     /// The running tiers as adverts carry them; `pages` is the page set by namespace (from
     /// the page-store actor).
     pub fn adverts(&self, pages: &[(String, Vec<u64>)]) -> Vec<crate::wire::TierAdvert> {
-        let mut v: Vec<crate::wire::TierAdvert> = self
-            .registry
+        let table = self.table();
+        let mut v: Vec<crate::wire::TierAdvert> = table
+            .running
             .iter()
-            .map(|e| {
-                let (i, s) = (&e.value().desc.info, &e.value().desc.stats);
-                let handles = e.value().desc.pages.as_ref();
+            .map(|(name, e)| {
+                let (i, s) = (&e.desc.info, &e.desc.stats);
+                let handles = e.desc.pages.as_ref();
                 crate::wire::TierAdvert {
-                    name: e.key().clone(),
+                    name: name.clone(),
                     max_seq_len: i.max_seq_len as u32,
                     n_seq_max: i.n_seq_max as u32,
                     active: s.active.load(Relaxed) as u32,
@@ -556,7 +553,7 @@ impl Engines {
                     page_base: handles.map(|p| p.base.0.to_vec()).unwrap_or_default(),
                     page_block: handles.map(|p| p.block as u32).unwrap_or(0),
                     pages: handles
-                        .and_then(|_| pages.iter().find(|(ns, _)| ns == e.key()))
+                        .and_then(|_| pages.iter().find(|(ns, _)| ns == name))
                         .map(|(_, ids)| ids.clone())
                         .unwrap_or_default(),
                     started: s.started.load(Relaxed),
@@ -585,37 +582,27 @@ impl Engines {
                 generated_tokens: s.generated_tokens.load(Relaxed),
             }
         };
+        let table = self.table();
         let mut out = vec![];
         for (name, c) in self.tiers.iter() {
-            if let Some(e) = self.registry.get(name) {
+            if let Some(e) = table.running.get(name) {
                 out.push(row(
                     name,
                     name,
                     file_name(&c.model),
                     c.kv_type,
-                    &e,
+                    e,
                     "serving",
                 ));
             }
         }
-        for (map, state) in [(&*self.variants, "serving"), (&*self.draining, "draining")] {
-            for v in map.iter() {
-                out.push(row(
-                    v.key(),
-                    &v.tier,
-                    v.gguf.clone(),
-                    v.kv_type,
-                    &v.entry,
-                    state,
-                ));
+        for (map, state) in [(&table.variants, "serving"), (&table.draining, "draining")] {
+            for (id, v) in map {
+                out.push(row(id, &v.tier, v.gguf.clone(), v.kv_type, &v.entry, state));
             }
         }
         out
     }
-}
-
-fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(PoisonError::into_inner)
 }
 
 /// The file exists and starts with the GGUF magic.
@@ -645,7 +632,7 @@ pub enum ChildKey {
 /// Messages of [`EnginesActor`].
 #[derive(Debug)]
 pub enum EnginesMsg {
-    /// Start a variant engine and put it in [`Variants`] under `id`; the outcome is
+    /// Start a variant engine and put it in [`EngineTable::variants`] under `id`; the outcome is
     /// reported and a failure is final (the policy that wanted it is refused).
     StartVariant {
         /// Engine id.
@@ -655,10 +642,13 @@ pub enum EnginesMsg {
         /// Where the outcome goes.
         reply: RpcReplyPort<Result<(), String>>,
     },
-    /// These variants are out of service: stop each once it is idle.
+    /// These variants are out of service: out of the lookup map now, each stopped once it
+    /// is idle.
     Retire {
         /// Engine ids.
         ids: Vec<String>,
+        /// Told once they are out of the lookup map.
+        reply: Option<RpcReplyPort<()>>,
     },
     /// Start tier `tier` from its config, or take it back from draining.
     LoadTier {
@@ -705,6 +695,8 @@ pub struct EnginesArgs {
 #[derive(Debug)]
 pub struct EnginesState {
     engines: Engines,
+    /// The engines; published to `engines` after every change.
+    table: EngineTable,
     policy: RestartPolicy,
     restarts: HashMap<ChildKey, RestartLog>,
 }
@@ -719,8 +711,24 @@ async fn spawn_engine(
 }
 
 impl EnginesState {
+    fn publish(&self) {
+        self.engines.publish(&self.table);
+    }
+
+    /// Moves variants from the lookup map to the draining ones and forgets their configs.
+    fn retire(&mut self, ids: &[String]) {
+        for id in ids {
+            self.table.wanted.remove(id);
+            if let Some(v) = self.table.variants.remove(id) {
+                info!(engine = %id, "engine retired by the policy; draining");
+                self.table.draining.insert(id.clone(), v);
+            }
+        }
+        self.publish();
+    }
+
     async fn start_tier(
-        &self,
+        &mut self,
         myself: &ActorRef<EnginesMsg>,
         cfg: EngineConfig,
     ) -> Result<(), ActorProcessingErr> {
@@ -728,13 +736,13 @@ impl EnginesState {
         let entry = spawn_engine(myself, cfg).await?;
         let info = &entry.desc.info;
         info!(tier = %name, params = info.n_params, n_ctx = info.n_ctx, seqs = info.n_seq_max, "tier ready");
-        self.engines.registry.insert(name, entry);
-        self.engines.changed();
+        self.table.running.insert(name, entry);
+        self.publish();
         Ok(())
     }
 
     async fn start_variant(
-        &self,
+        &mut self,
         myself: &ActorRef<EnginesMsg>,
         id: &str,
         cfg: EngineConfig,
@@ -744,7 +752,7 @@ impl EnginesState {
         let kv_type = cfg.kv_type;
         let entry = spawn_engine(myself, cfg).await?;
         info!(%tier, engine = %id, "variant engine ready");
-        self.engines.variants.insert(
+        self.table.variants.insert(
             id.to_owned(),
             VariantEntry {
                 tier,
@@ -755,16 +763,17 @@ impl EnginesState {
                 since: Instant::now(),
             },
         );
+        self.publish();
         Ok(())
     }
 
     async fn load_tier(&mut self, myself: &ActorRef<EnginesMsg>, tier: &str) -> Result<(), String> {
-        let e = &self.engines;
-        if e.registry.contains_key(tier) {
+        if self.table.running.contains_key(tier) {
             return Ok(());
         }
-        let Some(cfg) = e.tiers.get(tier).cloned() else {
-            let known: Vec<&str> = e.tiers.keys().map(String::as_str).collect();
+        let tiers = &self.engines.tiers;
+        let Some(cfg) = tiers.get(tier).cloned() else {
+            let known: Vec<&str> = tiers.keys().map(String::as_str).collect();
             return Err(format!(
                 "this node has no config for tier `{tier}` (it has: {})",
                 if known.is_empty() {
@@ -774,33 +783,32 @@ impl EnginesState {
                 }
             ));
         };
-        if let Some((_, v)) = e.draining.remove(tier) {
+        if let Some(v) = self.table.draining.remove(tier) {
             info!(%tier, "drain cancelled; the tier serves again");
-            e.registry.insert(tier.to_owned(), v.entry);
+            self.table.running.insert(tier.to_owned(), v.entry);
         } else {
             self.start_tier(myself, cfg)
                 .await
                 .map_err(|err| format!("tier `{tier}` did not start: {err}"))?;
         }
-        lock(&e.standby).remove(tier);
-        lock(&e.on_request).insert(tier.to_owned());
+        self.table.standby.remove(tier);
+        self.table.on_request.insert(tier.to_owned());
         self.restarts.remove(&ChildKey::Tier(tier.to_owned()));
-        e.changed();
+        self.publish();
         Ok(())
     }
 
     fn drain_tier(&mut self, tier: &str) -> Result<(), String> {
-        let e = &self.engines;
-        let Some((_, entry)) = e.registry.remove(tier) else {
-            return if e.tiers.contains_key(tier) {
+        let Some(entry) = self.table.running.remove(tier) else {
+            return if self.engines.tiers.contains_key(tier) {
                 Ok(()) // not running: nothing to drain
             } else {
                 Err(format!("this node has no config for tier `{tier}`"))
             };
         };
-        let cfg = &e.tiers[tier];
+        let cfg = &self.engines.tiers[tier];
         info!(%tier, "tier drained: no new requests; stopping once its own are done");
-        e.draining.insert(
+        self.table.draining.insert(
             tier.to_owned(),
             VariantEntry {
                 tier: tier.to_owned(),
@@ -811,18 +819,11 @@ impl EnginesState {
                 since: Instant::now(),
             },
         );
-        lock(&e.standby).insert(tier.to_owned());
-        lock(&e.on_request).remove(tier);
+        self.table.standby.insert(tier.to_owned());
+        self.table.on_request.remove(tier);
         self.restarts.remove(&ChildKey::Tier(tier.to_owned()));
-        e.changed();
+        self.publish();
         Ok(())
-    }
-
-    fn wanted(&self) -> std::sync::MutexGuard<'_, BTreeMap<String, EngineConfig>> {
-        self.engines
-            .wanted
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
     }
 
     /// Decides about a failed child: schedules its restart, or escalates.
@@ -861,15 +862,21 @@ impl Actor for EnginesActor {
         myself: ActorRef<EnginesMsg>,
         args: EnginesArgs,
     ) -> Result<EnginesState, ActorProcessingErr> {
-        let state = EnginesState {
+        // From the last table published: what was started on request and what the policy
+        // wants; a previous incarnation's engines died with it.
+        let last = args.engines.table();
+        let mut state = EnginesState {
+            table: EngineTable {
+                standby: last.standby.clone(),
+                on_request: last.on_request.clone(),
+                wanted: last.wanted.clone(),
+                ..EngineTable::default()
+            },
             engines: args.engines,
             policy: args.policy,
             restarts: HashMap::new(),
         };
-        // A previous incarnation's engines died with it.
-        state.engines.registry.clear();
-        state.engines.variants.clear();
-        state.engines.draining.clear();
+        state.publish();
         for name in state.engines.autostart() {
             let cfg = state.engines.tiers[&name].clone();
             state.start_tier(&myself, cfg).await?;
@@ -879,11 +886,12 @@ impl Actor for EnginesActor {
             let cfg = state.engines.tiers[&name].clone();
             if let Err(e) = state.start_tier(&myself, cfg).await {
                 warn!(tier = %name, error = %e, "tier started on request did not start again");
-                lock(&state.engines.on_request).remove(&name);
-                lock(&state.engines.standby).insert(name);
+                state.table.on_request.remove(&name);
+                state.table.standby.insert(name);
+                state.publish();
             }
         }
-        let wanted = state.wanted().clone();
+        let wanted = state.table.wanted.clone();
         for (id, cfg) in wanted {
             if let Err(e) = state.start_variant(&myself, &id, cfg).await {
                 warn!(engine = %id, error = %e, "variant engine did not start again");
@@ -897,8 +905,8 @@ impl Actor for EnginesActor {
         _myself: ActorRef<EnginesMsg>,
         state: &mut EnginesState,
     ) -> Result<(), ActorProcessingErr> {
-        state.engines.registry.clear();
-        state.engines.changed();
+        state.table.running.clear();
+        state.publish();
         Ok(())
     }
 
@@ -910,13 +918,14 @@ impl Actor for EnginesActor {
     ) -> Result<(), ActorProcessingErr> {
         match msg {
             EnginesMsg::StartVariant { id, cfg, reply } => {
-                if state.engines.variants.contains_key(&id) {
+                if state.table.variants.contains_key(&id) {
                     let _ = reply.send(Ok(()));
                     return Ok(());
                 }
                 match state.start_variant(&myself, &id, cfg.clone()).await {
                     Ok(()) => {
-                        state.wanted().insert(id, cfg);
+                        state.table.wanted.insert(id, cfg);
+                        state.publish();
                         let _ = reply.send(Ok(()));
                     }
                     Err(e) => {
@@ -924,31 +933,38 @@ impl Actor for EnginesActor {
                     }
                 }
             }
-            EnginesMsg::Retire { ids } => {
-                // Already out of the lookup map when a reload retired them; not yet when a
-                // failed start takes back the engines it started.
-                state.engines.retire(&ids);
+            EnginesMsg::Retire { ids, reply } => {
+                state.retire(&ids);
                 for id in ids {
                     state.restarts.remove(&ChildKey::Variant(id));
+                }
+                if let Some(r) = reply {
+                    let _ = r.send(());
                 }
                 myself.send_message(EnginesMsg::CheckDrain)?;
             }
             EnginesMsg::CheckDrain => {
                 let idle: Vec<String> = state
-                    .engines
+                    .table
                     .draining
                     .iter()
-                    .filter(|v| {
+                    .filter(|(id, v)| {
                         let s = &v.entry.desc.stats;
-                        let own = v.key() == &v.tier;
+                        let own = *id == &v.tier;
                         Arc::strong_count(&v.lease) == 1
                             && s.active.load(Relaxed) + s.queued.load(Relaxed) == 0
                             && (!own || v.since.elapsed() >= DRAIN_GRACE)
                     })
-                    .map(|v| v.key().clone())
+                    .map(|(id, _)| id.clone())
                     .collect();
-                for id in idle {
-                    if let Some((_, v)) = state.engines.draining.remove(&id) {
+                if !idle.is_empty() {
+                    // Published before the stops: a request never picks a stopping engine.
+                    let stopping: Vec<(String, VariantEntry)> = idle
+                        .iter()
+                        .filter_map(|id| state.table.draining.remove(id).map(|v| (id.clone(), v)))
+                        .collect();
+                    state.publish();
+                    for (id, v) in stopping {
                         info!(engine = %id, "retired engine idle; stopping");
                         v.entry.actor.stop(Some(if id == v.tier {
                             "drained".into()
@@ -957,7 +973,7 @@ impl Actor for EnginesActor {
                         }));
                     }
                 }
-                if !state.engines.draining.is_empty() {
+                if !state.table.draining.is_empty() {
                     myself.send_after(DRAIN_POLL, || EnginesMsg::CheckDrain);
                 }
             }
@@ -965,17 +981,17 @@ impl Actor for EnginesActor {
                 let started = match &key {
                     ChildKey::Tier(name) => match state.engines.tiers.get(name).cloned() {
                         Some(cfg)
-                            if !state.engines.registry.contains_key(name)
-                                && state.engines.hosts(name) =>
+                            if !state.table.running.contains_key(name)
+                                && !state.table.standby.contains(name) =>
                         {
                             state.start_tier(&myself, cfg).await
                         }
                         _ => Ok(()),
                     },
                     ChildKey::Variant(id) => {
-                        let cfg = state.wanted().get(id).cloned();
+                        let cfg = state.table.wanted.get(id).cloned();
                         match cfg {
-                            Some(cfg) if !state.engines.variants.contains_key(id) => {
+                            Some(cfg) if !state.table.variants.contains_key(id) => {
                                 state.start_variant(&myself, id, cfg).await
                             }
                             _ => Ok(()), // retired while it was down
@@ -997,7 +1013,7 @@ impl Actor for EnginesActor {
                 let _ = reply.send(r);
             }
             EnginesMsg::CrashTier { tier, reply } => {
-                let hit = state.engines.get(&tier);
+                let hit = state.table.running.get(&tier).cloned();
                 if let Some(e) = &hit {
                     warn!(%tier, "fault injection: crashing the engine thread");
                     let _ = e.actor.send_message(TierMsg::CrashEngine);
@@ -1019,24 +1035,25 @@ impl Actor for EnginesActor {
         };
         let id = cell.get_id();
         let tier = state
-            .engines
-            .registry
+            .table
+            .running
             .iter()
-            .find(|e| e.value().actor.get_id() == id)
-            .map(|e| e.key().clone());
+            .find(|(_, e)| e.actor.get_id() == id)
+            .map(|(name, _)| name.clone());
         if let Some(name) = tier {
-            state.engines.registry.remove(&name);
-            state.engines.changed();
+            state.table.running.remove(&name);
+            state.publish();
             return state.failed(&myself, ChildKey::Tier(name), &why);
         }
         let variant = state
-            .engines
+            .table
             .variants
             .iter()
-            .find(|e| e.value().entry.actor.get_id() == id)
-            .map(|e| e.key().clone());
+            .find(|(_, e)| e.entry.actor.get_id() == id)
+            .map(|(vid, _)| vid.clone());
         if let Some(vid) = variant {
-            state.engines.variants.remove(&vid);
+            state.table.variants.remove(&vid);
+            state.publish();
             return state.failed(&myself, ChildKey::Variant(vid), &why);
         }
         // A retired engine stopped, or a child that never made it into a map.

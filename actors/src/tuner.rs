@@ -836,14 +836,14 @@ impl TunerState {
         {
             // The policy stays; engines started for the refused one go again.
             if let Ok(old) = engines.resolve(&before.quantization) {
-                engines.retire_unused(&old);
+                engines.retire_unused(&old).await;
             }
             return Err(TuneError::Internal(format!(
                 "writing the policy state file: {e}"
             )));
         }
         self.args.live.store(Snapshot::of(&self.state));
-        engines.retire_unused(&wanted);
+        engines.retire_unused(&wanted).await;
         let d = self.state.history.last().cloned().unwrap_or(d);
         info!(version = self.state.version, changed = %d.knob, rationale = %d.rationale, via, "policy reloaded");
         self.remember(&d);

@@ -461,15 +461,15 @@ impl Collector for NodeCollector {
         let Some(engines) = self.engines.get() else {
             return Ok(());
         };
-        let registry = engines.registry();
-        let mut reuse: Vec<(String, Arc<mesh_tiers::kvcache::ReuseStats>)> = registry
+        let table = engines.table();
+        let mut reuse: Vec<(String, Arc<mesh_tiers::kvcache::ReuseStats>)> = table
+            .running
             .iter()
-            .filter_map(|e| {
-                e.value()
-                    .desc
+            .filter_map(|(name, e)| {
+                e.desc
                     .pages
                     .as_ref()
-                    .map(|p| (e.key().clone(), p.reuse.clone()))
+                    .map(|p| (name.clone(), p.reuse.clone()))
             })
             .collect();
         reuse.sort_by(|a, b| a.0.cmp(&b.0));
@@ -629,10 +629,11 @@ impl Collector for NodeCollector {
             &far_errors,
         )?;
         // Speculative decoding, for the tiers that have a draft model.
-        let mut spec: Vec<(String, Arc<EngineStats>)> = registry
+        let mut spec: Vec<(String, Arc<EngineStats>)> = table
+            .running
             .iter()
-            .filter(|e| e.value().desc.info.draft.is_some())
-            .map(|e| (e.key().clone(), e.value().desc.stats.clone()))
+            .filter(|(_, e)| e.desc.info.draft.is_some())
+            .map(|(name, e)| (name.clone(), e.desc.stats.clone()))
             .collect();
         spec.sort_by(|a, b| a.0.cmp(&b.0));
         type Stat = fn(&EngineStats) -> u64;
@@ -662,9 +663,10 @@ impl Collector for NodeCollector {
             let rows: Vec<_> = spec.iter().map(|(n, s)| (m(n), get(s))).collect();
             family(&mut enc, name, help, true, &rows)?;
         }
-        let mut hw: Vec<(String, Arc<EngineStats>)> = registry
+        let mut hw: Vec<(String, Arc<EngineStats>)> = table
+            .running
             .iter()
-            .map(|e| (e.key().clone(), e.value().desc.stats.clone()))
+            .map(|(name, e)| (name.clone(), e.desc.stats.clone()))
             .collect();
         hw.sort_by(|a, b| a.0.cmp(&b.0));
         // KV kept in slots between requests, and grammar refusals (every tier).
@@ -1079,8 +1081,8 @@ impl Metrics {
                 _ => c.first_tier_steps += n,
             }
         }
-        for e in engines.registry().iter() {
-            let s = &e.value().desc.stats;
+        for e in engines.table().running.values() {
+            let s = &e.desc.stats;
             c.draft_tokens += s.draft_tokens.load(Relaxed);
             c.draft_accepted += s.draft_accepted.load(Relaxed);
             c.generated_tokens += s.generated_tokens.load(Relaxed);
@@ -1102,9 +1104,9 @@ impl Metrics {
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner) = store;
         if let Some(engines) = self.node.engines.get() {
-            for e in engines.registry().iter() {
-                let s = &e.value().desc.stats;
-                let l = Self::model(e.key());
+            for (name, e) in engines.table().running.iter() {
+                let s = &e.desc.stats;
+                let l = Self::model(name);
                 self.active
                     .get_or_create(&l)
                     .set(s.active.load(Ordering::Relaxed) as i64);

@@ -37,11 +37,12 @@ pub(crate) async fn models(State(state): State<HttpState>) -> Json<ModelList> {
         owned_by: "mesh".into(),
         meta,
     };
-    let registry = state.service.engines().registry();
-    let mut data: Vec<ModelCard> = registry
-        .iter()
+    let table = state.service.engines().table();
+    let mut data: Vec<ModelCard> = table
+        .running
+        .values()
         .map(|e| {
-            let i = &e.value().desc.info;
+            let i = &e.desc.info;
             card(
                 &i.name,
                 json!({"n_params": i.n_params, "n_ctx_train": i.n_ctx_train, "max_seq_len": i.max_seq_len,
@@ -50,7 +51,7 @@ pub(crate) async fn models(State(state): State<HttpState>) -> Json<ModelList> {
         })
         .collect();
     for name in state.service.tier_names() {
-        if !registry.contains_key(&name) {
+        if !table.running.contains_key(&name) {
             data.push(card(&name, json!({"remote": true})));
         }
     }
@@ -179,11 +180,11 @@ pub(crate) async fn health() -> Json<Value> {
         (status = 503, description = "Still loading: `missing_tiers`", body = Object),
     ))]
 pub(crate) async fn ready(State(state): State<HttpState>) -> Response {
-    let registry = state.service.engines().registry();
+    let table = state.service.engines().table();
     let missing: Vec<&String> = state
         .expected_tiers
         .iter()
-        .filter(|t| !registry.contains_key(*t))
+        .filter(|t| !table.running.contains_key(*t))
         .collect();
     if missing.is_empty() {
         Json(json!({"status": "ready"})).into_response()

@@ -163,12 +163,7 @@ impl Dispatcher {
 
     /// Every tier name this node can route to.
     pub fn tier_names(&self) -> Vec<String> {
-        let mut names: Vec<String> = self
-            .engines
-            .registry()
-            .iter()
-            .map(|e| e.key().clone())
-            .collect();
+        let mut names: Vec<String> = self.engines.table().running.keys().cloned().collect();
         if let Some(c) = &self.cluster {
             names.extend(c.remote_tier_names());
         }
