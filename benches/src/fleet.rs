@@ -62,6 +62,9 @@ pub(crate) enum Kind {
 pub(crate) enum Fleet {
     /// N `mesh join` nodes in one cluster, round-robin in front.
     Mesh,
+    /// N `mesh join` nodes that do not know each other (no routing between them, no page
+    /// pulls), round-robin in front: what the cluster adds or costs.
+    MeshSolo,
     /// N llama-servers, round-robin in front.
     LlamaRr,
     /// N llama-servers, session-sticky in front.
@@ -72,6 +75,7 @@ impl Fleet {
     fn name(self) -> &'static str {
         match self {
             Fleet::Mesh => "mesh",
+            Fleet::MeshSolo => "mesh-solo",
             Fleet::LlamaRr => "llama-rr",
             Fleet::LlamaSticky => "llama-sticky",
         }
@@ -543,20 +547,21 @@ async fn start(
     let timeout = Duration::from_secs(a.servers.ready_timeout_s);
     let mut seed: Option<String> = None;
     let certs = logs.join("certs");
-    if fleet == Fleet::Mesh && !certs.join("ca.pem").exists() {
+    let mesh = matches!(fleet, Fleet::Mesh | Fleet::MeshSolo);
+    if mesh && !certs.join("ca.pem").exists() {
         mesh_transport::tls::init_ca(&certs, "bench")?;
     }
     for i in 0..a.nodes {
         let port = free_port()?;
         let log = logs.join(format!("{tag}-{i}.log"));
         let (program, args) = match fleet {
-            Fleet::Mesh => {
+            Fleet::Mesh | Fleet::MeshSolo => {
                 if !certs.join(format!("n{i}.pem")).exists() {
                     mesh_transport::tls::issue(&certs, &format!("n{i}"))?;
                 }
                 let quic = free_udp_port()?;
                 let args = join_args(a, i, port, quic, &certs, seed.as_deref());
-                if i == 0 {
+                if i == 0 && fleet == Fleet::Mesh {
                     seed = Some(format!("127.0.0.1:{quic}"));
                 }
                 pinned(&a.cores(i), &a.servers.mesh_bin, args)
@@ -568,11 +573,7 @@ async fn start(
             ),
         };
         let mut s = Server::spawn(
-            if fleet == Fleet::Mesh {
-                "mesh"
-            } else {
-                "llama-server"
-            },
+            if mesh { "mesh" } else { "llama-server" },
             &program,
             args,
             port,
@@ -653,8 +654,9 @@ async fn wait_cluster(
     }
 }
 
-/// Counters summed over a fleet's replicas.
+/// Counters read from each replica (summed over their label sets).
 const COUNTERS: &[&str] = &[
+    "mesh_engine_requests_total",
     "mesh_kv_recompute_avoided_tokens_total",
     "mesh_kv_resident_tokens_total",
     "mesh_kv_device_copy_tokens_total",
@@ -665,18 +667,127 @@ const COUNTERS: &[&str] = &[
     "llamacpp:prompt_tokens_cached_total",
 ];
 
-async fn counters(client: &reqwest::Client, replicas: &[Server]) -> Map<String, Value> {
-    let mut sum = Map::new();
+/// Counters read from each replica per value of their `phase` label (mesh's engine
+/// step phases: where an engine thread's time went).
+const PHASE_COUNTERS: &[&str] = &["mesh_tier_step_seconds_total", "mesh_tier_steps_total"];
+
+/// Each replica's counters ([`COUNTERS`], and [`PHASE_COUNTERS`] per phase), in order.
+async fn counters(client: &reqwest::Client, replicas: &[Server]) -> Vec<Map<String, Value>> {
+    let mut out = Vec::new();
     for s in replicas {
         let m = s.metrics(client).await;
+        let mut one = Map::new();
         for &c in COUNTERS {
             if let Some(v) = metric_sum(&m, c) {
-                let prev = sum.get(c).and_then(Value::as_f64).unwrap_or(0.0);
-                sum.insert(c.to_owned(), json!(prev + v));
+                one.insert(c.to_owned(), json!(v));
             }
+        }
+        for (k, v) in by_label(&m, PHASE_COUNTERS, "phase") {
+            one.insert(k, json!(v));
+        }
+        for (k, v) in by_label(&m, &[GATEWAY_ITL], "le") {
+            one.insert(k, json!(v));
+        }
+        out.push(one);
+    }
+    out
+}
+
+/// Per replica, the counters' growth from `c0` to `c1` (a counter missing from `c0` counts
+/// from zero). Pure.
+fn deltas(c0: &[Map<String, Value>], c1: &[Map<String, Value>]) -> Vec<Map<String, Value>> {
+    c0.iter()
+        .zip(c1)
+        .map(|(a, b)| {
+            b.iter()
+                .filter_map(|(k, v)| {
+                    // A labelled counter appears at its first increment: absent is zero.
+                    let before = a.get(k).and_then(Value::as_f64).unwrap_or(0.0);
+                    Some((k.clone(), json!(v.as_f64()? - before)))
+                })
+                .collect()
+        })
+        .collect()
+}
+
+/// The per-replica counters summed over the fleet. Pure.
+fn summed(per_replica: &[Map<String, Value>]) -> Map<String, Value> {
+    let mut sum = Map::new();
+    for m in per_replica {
+        for (k, v) in m {
+            let prev = sum.get(k).and_then(Value::as_f64).unwrap_or(0.0);
+            sum.insert(k.clone(), json!(prev + v.as_f64().unwrap_or(0.0)));
         }
     }
     sum
+}
+
+/// Series of the `names` metrics summed per value of `label`, keyed `name{label="…"}` (a
+/// series without that label counts under its bare name). Pure.
+fn by_label(metrics: &Map<String, Value>, names: &[&str], label: &str) -> Vec<(String, f64)> {
+    let mut out: Vec<(String, f64)> = Vec::new();
+    let open = format!("{label}=\"");
+    for (series, v) in metrics {
+        let (name, labels) = series.split_once('{').unwrap_or((series, ""));
+        if !names.contains(&name) {
+            continue;
+        }
+        // The label's own name, not a longer one that ends with it (`handle="…"` for `le`).
+        let value = labels
+            .split(',')
+            .find_map(|kv| kv.strip_prefix(open.as_str()))
+            .and_then(|r| r.split('"').next());
+        let key = match value {
+            Some(value) => format!("{name}{{{label}=\"{value}\"}}"),
+            None => name.to_owned(),
+        };
+        let v = v.as_f64().unwrap_or(0.0);
+        match out.iter_mut().find(|(k, _)| *k == key) {
+            Some((_, total)) => *total += v,
+            None => out.push((key, v)),
+        }
+    }
+    out
+}
+
+/// The histogram of inter-token gaps mesh's gateways measured (as tokens reached the
+/// gateway from its own engine or a peer's, before the HTTP layer).
+const GATEWAY_ITL: &str = "mesh_inter_token_latency_seconds_bucket";
+
+/// Upper bounds (ms) of the buckets holding the p50, p95 and p99 of a cumulative
+/// Prometheus histogram given as `name{le="…"}` → count; `None` when it is empty. Pure.
+fn bucket_percentiles(counters: &Map<String, Value>, name: &str) -> Option<Value> {
+    let prefix = format!("{name}{{le=\"");
+    let mut buckets: Vec<(f64, f64)> = counters
+        .iter()
+        .filter_map(|(k, v)| {
+            let le = k.strip_prefix(prefix.as_str())?.trim_end_matches("\"}");
+            let le = if le == "+Inf" {
+                f64::INFINITY
+            } else {
+                le.parse().ok()?
+            };
+            Some((le, v.as_f64()?))
+        })
+        .collect();
+    buckets.sort_by(|a, b| a.0.total_cmp(&b.0));
+    let total = buckets.last()?.1;
+    if total <= 0.0 {
+        return None;
+    }
+    let at = |q: f64| {
+        buckets
+            .iter()
+            .find(|(_, n)| *n >= q * total)
+            .map(|(le, _)| {
+                if le.is_finite() {
+                    json!(le * 1e3)
+                } else {
+                    json!("+Inf")
+                }
+            })
+    };
+    Some(json!({"n": total, "p50_le": at(0.50), "p95_le": at(0.95), "p99_le": at(0.99)}))
 }
 
 /// CPU seconds (user + system) of the processes, in order.
@@ -748,6 +859,7 @@ fn summarize(
         "prompt_tokens": prompt_tokens,
         "prompt_tokens_not_evaluated": reused,
         "not_evaluated_fraction": ratio(reused, Some(prompt_tokens as f64)),
+        "gateway_itl_ms": bucket_percentiles(delta, GATEWAY_ITL),
         "pages_pulled_from_peers": get("mesh_kv_pages_fetched_from_peers_total"),
         "bytes_pulled_from_peers": get("mesh_kv_peer_fetch_bytes_total"),
         "replica_cpu_s": replica_cpu_s,
@@ -796,10 +908,8 @@ async fn run_one(
         for r in running.replicas.iter_mut() {
             r.ensure_running()?;
         }
-        let delta: Map<String, Value> = c1
-            .iter()
-            .filter_map(|(k, v)| Some((k.clone(), json!(v.as_f64()? - c0.get(k)?.as_f64()?))))
-            .collect();
+        let per_replica = deltas(&c0, &c1);
+        let delta = summed(&per_replica);
         let replica_cpu: f64 = cpu0
             .iter()
             .zip(&cpu1)
@@ -834,6 +944,7 @@ async fn run_one(
             "balancer": fleet.policy().arg(),
             "summary": summary,
             "counter_deltas": delta,
+            "counter_deltas_per_replica": per_replica,
             "replica_argv": argv,
             "proxy_argv": running.proxy.as_ref().map(|p| shell_join(&json!(p.argv))),
             "replica_peak_rss_kib": peak,
@@ -849,6 +960,18 @@ enum Work<'a> {
     Sessions(&'a [Plan]),
     Trace(&'a [Req]),
 }
+
+/// The latency percentiles mesh is held to against the replicas it replaces.
+const LATENCIES: [&str; 6] = [
+    "ttft_ms.p50",
+    "ttft_ms.p95",
+    "ttft_ms.p99",
+    "itl_ms.p50",
+    "itl_ms.p95",
+    "itl_ms.p99",
+];
+/// "Never worse": no latency percentile over this ratio to the other fleet's.
+const NEVER_WORSE: f64 = 1.10;
 
 /// `mesh / other` for a summary field (`path` like `ttft_ms.p95`). Pure.
 fn field(v: &Value, path: &str) -> Option<f64> {
@@ -882,6 +1005,10 @@ fn compare(runs: &[Value]) -> Value {
             let clean = |s: &Value| {
                 field(s, "requests_shed") == Some(0.0) && field(s, "requests_failed") == Some(0.0)
             };
+            let worst = LATENCIES
+                .iter()
+                .filter_map(|p| ratio(field(m, p), field(l, p)))
+                .fold(None, |w: Option<f64>, x| Some(w.map_or(x, |w| w.max(x))));
             vs.insert(
                 other.to_owned(),
                 json!({
@@ -889,7 +1016,11 @@ fn compare(runs: &[Value]) -> Value {
                     "ttft_p50": ratio(field(m, "ttft_ms.p50"), field(l, "ttft_ms.p50")),
                     "ttft_p95": p95,
                     "ttft_p99": ratio(field(m, "ttft_ms.p99"), field(l, "ttft_ms.p99")),
+                    "itl_p50": ratio(field(m, "itl_ms.p50"), field(l, "itl_ms.p50")),
                     "itl_p95": ratio(field(m, "itl_ms.p95"), field(l, "itl_ms.p95")),
+                    "itl_p99": ratio(field(m, "itl_ms.p99"), field(l, "itl_ms.p99")),
+                    "worst_latency": worst,
+                    "never_worse": clean(m) && clean(l) && worst.is_some_and(|w| w <= NEVER_WORSE),
                     "cpu_s_per_task": ratio(field(m, "replica_cpu_s_per_task"), field(l, "replica_cpu_s_per_task")),
                     "goal_met": clean(m) && clean(l)
                         && (rps.is_some_and(|x| x >= 2.0) || p95.is_some_and(|x| x <= 0.5)),
@@ -954,6 +1085,11 @@ pub(crate) fn table(j: &Value) -> String {
             ("inter-token p50 (ms)", "itl_ms.p50", 1),
             ("inter-token p95 (ms)", "itl_ms.p95", 1),
             ("inter-token p99 (ms)", "itl_ms.p99", 1),
+            (
+                "inter-token p95 at mesh's gateways (ms, bucket bound)",
+                "gateway_itl_ms.p95_le",
+                0,
+            ),
             ("prompt tokens sent", "prompt_tokens", 0),
             ("share not evaluated (cache)", "not_evaluated_fraction", 3),
             ("KV pages pulled from peers", "pages_pulled_from_peers", 0),
@@ -991,14 +1127,17 @@ pub(crate) fn table(j: &Value) -> String {
         }
         for (other, v) in cmp["mesh_over"].as_object().into_iter().flatten() {
             out.push_str(&format!(
-                "\nmesh / {other}: requests/s {}, TTFT p50 {}, p95 {}, p99 {}, inter-token p95 {}, CPU-s per task {}; goal (no shed or failed request, >= 2x requests/s or <= 0.5x TTFT p95): {}\n",
+                "\nmesh / {other}: requests/s {}, TTFT p50 {}, p95 {}, p99 {}, inter-token p50 {}, p95 {}, p99 {}, CPU-s per task {}; goal (no shed or failed request, >= 2x requests/s or <= 0.5x TTFT p95): {}; never worse (every latency percentile <= {NEVER_WORSE:.2}x): {}\n",
                 f(v["requests_per_s"].as_f64(), 2),
                 f(v["ttft_p50"].as_f64(), 2),
                 f(v["ttft_p95"].as_f64(), 2),
                 f(v["ttft_p99"].as_f64(), 2),
+                f(v["itl_p50"].as_f64(), 2),
                 f(v["itl_p95"].as_f64(), 2),
+                f(v["itl_p99"].as_f64(), 2),
                 f(v["cpu_s_per_task"].as_f64(), 2),
                 if v["goal_met"] == true { "met" } else { "not met" },
+                if v["never_worse"] == true { "yes" } else { "no" },
             ));
         }
         out.push('\n');
@@ -1391,6 +1530,94 @@ mod tests {
     }
 
     #[test]
+    fn deltas_are_per_replica_and_sum_over_the_fleet() {
+        let m = |v: Value| -> Map<String, Value> { serde_json::from_value(v).unwrap() };
+        let c0 = vec![m(json!({"a": 1.0, "b": 5.0})), m(json!({"a": 2.0}))];
+        let c1 = vec![
+            m(json!({"a": 4.0, "b": 6.0})),
+            m(json!({"a": 3.0, "b": 9.0})),
+        ];
+        let d = deltas(&c0, &c1);
+        assert_eq!(
+            d,
+            vec![
+                m(json!({"a": 3.0, "b": 1.0})),
+                m(json!({"a": 1.0, "b": 9.0}))
+            ]
+        );
+        assert_eq!(summed(&d), m(json!({"a": 4.0, "b": 10.0})));
+    }
+
+    #[test]
+    fn gateway_itl_percentiles_are_the_bounds_of_their_buckets() {
+        let b = |le: &str, n: f64| (format!("{GATEWAY_ITL}{{le=\"{le}\"}}"), json!(n));
+        let m: Map<String, Value> = [
+            b("0.001", 10.0),
+            b("0.002", 90.0),
+            b("0.004", 96.0),
+            b("0.008", 99.0),
+            b("+Inf", 100.0),
+        ]
+        .into_iter()
+        .collect();
+        let p = bucket_percentiles(&m, GATEWAY_ITL).unwrap();
+        assert_eq!(p["n"], 100.0);
+        assert_eq!(p["p50_le"], 2.0);
+        assert_eq!(p["p95_le"], 4.0);
+        assert_eq!(p["p99_le"], 8.0);
+    }
+
+    #[test]
+    fn an_empty_histogram_has_no_percentiles() {
+        let m: Map<String, Value> = [(format!("{GATEWAY_ITL}{{le=\"+Inf\"}}"), json!(0.0))]
+            .into_iter()
+            .collect();
+        assert_eq!(bucket_percentiles(&m, GATEWAY_ITL), None);
+    }
+
+    #[test]
+    fn buckets_are_summed_per_bound_over_models() {
+        let m: Map<String, Value> = serde_json::from_value(json!({
+            "mesh_inter_token_latency_seconds_bucket{model=\"a\",le=\"0.002\"}": 3.0,
+            "mesh_inter_token_latency_seconds_bucket{model=\"b\",le=\"0.002\"}": 4.0,
+        }))
+        .unwrap();
+        assert_eq!(
+            by_label(&m, &[GATEWAY_ITL], "le"),
+            vec![(format!("{GATEWAY_ITL}{{le=\"0.002\"}}"), 7.0)]
+        );
+    }
+
+    #[test]
+    fn step_phases_are_summed_per_phase_over_models() {
+        let m: Map<String, Value> = serde_json::from_value(json!({
+            "mesh_tier_step_seconds_total{model=\"a\",phase=\"decode\"}": 2.0,
+            "mesh_tier_step_seconds_total{model=\"b\",phase=\"decode\"}": 1.5,
+            "mesh_tier_step_seconds_total{model=\"a\",phase=\"admit\"}": 0.25,
+            "mesh_tier_steps_total{model=\"a\"}": 10.0,
+            "mesh_tier_steps_total{model=\"b\"}": 5.0,
+            "mesh_other_total{phase=\"decode\"}": 9.0,
+        }))
+        .unwrap();
+        let mut got = by_label(&m, PHASE_COUNTERS, "phase");
+        got.sort_by(|a, b| a.0.cmp(&b.0));
+        assert_eq!(
+            got,
+            vec![
+                (
+                    r#"mesh_tier_step_seconds_total{phase="admit"}"#.to_owned(),
+                    0.25
+                ),
+                (
+                    r#"mesh_tier_step_seconds_total{phase="decode"}"#.to_owned(),
+                    3.5
+                ),
+                ("mesh_tier_steps_total".to_owned(), 15.0),
+            ]
+        );
+    }
+
+    #[test]
     fn summary_counts_outcomes_tasks_reuse_and_cost() {
         let records = [
             rec(0, "ok", 0.0, 0.1, 100),
@@ -1495,5 +1722,21 @@ mod tests {
         assert_eq!(c[0]["mesh_over"]["llama-sticky"]["goal_met"], false);
         let c = compare(&[run("mesh", 40.0, 2), run("llama-rr", 100.0, 0)]);
         assert_eq!(c[0]["mesh_over"]["llama-rr"]["goal_met"], false);
+    }
+
+    #[test]
+    fn never_worse_fails_on_any_percentile_over_ten_percent() {
+        let run = |fleet: &str, itl_p99: f64| {
+            json!({"load": "L", "fleet": fleet, "summary": {"requests_per_s": 1.0,
+                "ttft_ms": {"p50": 10.0, "p95": 20.0, "p99": 30.0},
+                "itl_ms": {"p50": 1.0, "p95": 2.0, "p99": itl_p99},
+                "requests_shed": 0, "requests_failed": 0}})
+        };
+        let c = compare(&[run("mesh", 3.3), run("llama-rr", 3.0)]);
+        assert_eq!(c[0]["mesh_over"]["llama-rr"]["never_worse"], true);
+        let c = compare(&[run("mesh", 3.4), run("llama-rr", 3.0)]);
+        let v = &c[0]["mesh_over"]["llama-rr"];
+        assert_eq!(v["never_worse"], false);
+        assert!((v["worst_latency"].as_f64().unwrap() - 3.4 / 3.0).abs() < 1e-9);
     }
 }

@@ -166,7 +166,11 @@ pub(crate) fn metric_sum(
     found
 }
 
-/// Samples of a Prometheus text exposition, without comments and histogram buckets.
+/// Histograms whose buckets [`parse_prometheus`] keeps (the others' buckets are left out).
+pub(crate) const KEPT_HISTOGRAMS: &[&str] = &["mesh_inter_token_latency_seconds_bucket"];
+
+/// Samples of a Prometheus text exposition, without comments and histogram buckets (but
+/// those of [`KEPT_HISTOGRAMS`]).
 fn parse_prometheus(text: &str) -> serde_json::Map<String, serde_json::Value> {
     let mut out = serde_json::Map::new();
     for line in text.lines().map(str::trim) {
@@ -176,7 +180,7 @@ fn parse_prometheus(text: &str) -> serde_json::Map<String, serde_json::Value> {
         let Some((series, value)) = line.rsplit_once(' ') else {
             continue;
         };
-        if series.contains("_bucket") {
+        if series.contains("_bucket") && !KEPT_HISTOGRAMS.iter().any(|h| series.starts_with(h)) {
             continue;
         }
         if let Ok(v) = value.parse::<f64>() {
@@ -200,9 +204,14 @@ mod tests {
     #[test]
     fn prometheus_samples_without_comments_and_buckets() {
         let text = "# HELP x\n# TYPE x counter\nmesh_generation_tokens_total{model=\"t1\"} 8\n\
-                    mesh_ttft_seconds_bucket{le=\"0.1\"} 1\nllamacpp:n_decode_total 42\nbad line x\n";
+                    mesh_ttft_seconds_bucket{le=\"0.1\"} 1\nllamacpp:n_decode_total 42\nbad line x\n\
+                    mesh_inter_token_latency_seconds_bucket{model=\"t1\",le=\"0.002\"} 5\n";
         let m = parse_prometheus(text);
-        assert_eq!(m.len(), 2);
+        assert_eq!(m.len(), 3);
+        assert_eq!(
+            m["mesh_inter_token_latency_seconds_bucket{model=\"t1\",le=\"0.002\"}"],
+            5.0
+        );
         assert_eq!(m["mesh_generation_tokens_total{model=\"t1\"}"], 8.0);
         assert_eq!(m["llamacpp:n_decode_total"], 42.0);
         assert_eq!(metric_sum(&m, "mesh_generation_tokens_total"), Some(8.0));

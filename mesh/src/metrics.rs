@@ -721,7 +721,7 @@ impl Collector for NodeCollector {
         if !hw.is_empty() {
             let mut f = enc.encode_descriptor(
                 "tier_step_seconds",
-                "Time the tier's engine thread spent in each phase of its steps: schedule (batch building), draft (draft-model decodes), decode (the model's decode until its results are on the host), sample (choosing tokens), emit (text, stop strings, events), publish (new KV pages)",
+                "Time the tier's engine thread spent in each phase of its steps: schedule (batch building), draft (draft-model decodes), decode (the model's decode until its results are on the host), sample (choosing tokens), emit (text, stop strings, events), publish (new KV pages), admit (restores, device copies and waits for pages between steps)",
                 None,
                 MetricType::Counter,
             )?;

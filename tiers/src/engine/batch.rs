@@ -185,6 +185,12 @@ impl<'m> Loop<'m> {
     }
 
     pub(super) fn admit(&mut self) {
+        let start = Instant::now();
+        self.admit_waiting();
+        self.add_time(phase::ADMIT, start.elapsed());
+    }
+
+    fn admit_waiting(&mut self) {
         let mut i = 0;
         while i < self.waiting.len() {
             if self.slots.iter().all(Option::is_some) {

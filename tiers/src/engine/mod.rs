@@ -155,8 +155,12 @@ pub struct EngineStats {
 /// The phases of an engine step, in order: building the batch (planning, prompt chunks),
 /// the draft model's decodes (speculative tiers), the model's decode (until its results are
 /// on the host: on a GPU the whole computation), choosing tokens (sampling, verifying
-/// drafts), emitting them (text, stop strings, events), and publishing new KV pages.
-pub const STEP_PHASES: [&str; 6] = ["schedule", "draft", "decode", "sample", "emit", "publish"];
+/// drafts), emitting them (text, stop strings, events), publishing new KV pages, and
+/// admitting requests between steps (prefixes restored from pages or copied on the device,
+/// waits for pages another sequence is publishing).
+pub const STEP_PHASES: [&str; 7] = [
+    "schedule", "draft", "decode", "sample", "emit", "publish", "admit",
+];
 
 /// Indices into [`EngineStats::step_ns`].
 mod phase {
@@ -166,6 +170,7 @@ mod phase {
     pub(super) const SAMPLE: usize = 3;
     pub(super) const EMIT: usize = 4;
     pub(super) const PUBLISH: usize = 5;
+    pub(super) const ADMIT: usize = 6;
 }
 
 /// What a loaded model is.
