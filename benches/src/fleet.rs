@@ -1008,7 +1008,7 @@ fn compare(runs: &[Value]) -> Value {
             let worst = LATENCIES
                 .iter()
                 .filter_map(|p| ratio(field(m, p), field(l, p)))
-                .fold(None, |w: Option<f64>, x| Some(w.map_or(x, |w| w.max(x))));
+                .reduce(f64::max);
             vs.insert(
                 other.to_owned(),
                 json!({
