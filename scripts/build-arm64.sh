@@ -15,7 +15,8 @@
 #
 # --profile picks the cargo profile (default release: the binary for Graviton machines and
 # the image). arm64-smoke (Cargo.toml) is the quicker build the qemu smoke tests of
-# `./dev.sh test` run: Rust code at opt-level 1 without line tables, llama.cpp as in release.
+# `./dev.sh test` run: Rust code unoptimised (opt-level 0) without line tables, llama.cpp as
+# in release.
 #
 # Output: target/aarch64-CPU/aarch64-unknown-linux-gnu/PROFILE/mesh. Each --cpu has its own
 # target folder, which also keeps the x86 build that tests and benches share undisturbed.

@@ -665,6 +665,10 @@ const COUNTERS: &[&str] = &[
     "mesh_request_reruns_total",
     "llamacpp:prompt_tokens_total",
     "llamacpp:prompt_tokens_cached_total",
+    // llama-server's llama_decode calls and its busy time, beside mesh's steps and phases.
+    "llamacpp:n_decode_total",
+    "llamacpp:prompt_seconds_total",
+    "llamacpp:tokens_predicted_seconds_total",
 ];
 
 /// Counters read from each replica per value of their `phase` label (mesh's engine

@@ -188,8 +188,17 @@ impl FaultInjector for Injector {
 /// Starts the node's actors, joins the cluster when configured, and binds the gateway;
 /// serves until `shutdown` completes.
 pub async fn start(
-    mut cfg: NodeConfig,
+    cfg: NodeConfig,
     shutdown: impl Future<Output = ()> + Send + 'static,
+) -> anyhow::Result<Running> {
+    // The body is not generic, so it and the serving loop it spawns (hyper's and axum's) are
+    // compiled once, here, not again in every binary and test that starts a node.
+    start_node(cfg, Box::pin(shutdown)).await
+}
+
+async fn start_node(
+    mut cfg: NodeConfig,
+    shutdown: BoxFuture<'static, ()>,
 ) -> anyhow::Result<Running> {
     cfg.resolve_drafts()?;
     cfg.resolve_embedding_models()?;
