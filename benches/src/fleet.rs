@@ -657,6 +657,9 @@ async fn wait_cluster(
 /// Counters read from each replica (summed over their label sets).
 const COUNTERS: &[&str] = &[
     "mesh_engine_requests_total",
+    // What each replica's engine served, forwarded requests included, and prefilled.
+    "mesh_tier_sequences_total",
+    "mesh_tier_prompt_tokens_total",
     "mesh_kv_recompute_avoided_tokens_total",
     "mesh_kv_resident_tokens_total",
     "mesh_kv_device_copy_tokens_total",

@@ -669,8 +669,19 @@ impl Collector for NodeCollector {
             .map(|(name, e)| (name.clone(), e.desc.stats.clone()))
             .collect();
         hw.sort_by(|a, b| a.0.cmp(&b.0));
-        // KV kept in slots between requests, and grammar refusals (every tier).
-        let resident_counters: [(&str, &str, Stat); 6] = [
+        // Requests served and prompt tokens prefilled, KV kept in slots between requests, and
+        // grammar refusals (every tier).
+        let resident_counters: [(&str, &str, Stat); 8] = [
+            (
+                "tier_sequences",
+                "Requests that got a slot on the tier's engine: those of this node's gateway and those peers sent to it",
+                |s| s.started.load(Relaxed),
+            ),
+            (
+                "tier_prompt_tokens",
+                "Prompt tokens the tier's engine prefilled (not restored, kept or copied)",
+                |s| s.prompt_tokens.load(Relaxed),
+            ),
             (
                 "grammar_refusals",
                 "Greedy tokens whose free choice the request's grammar refused (chosen again from the masked vocabulary)",

@@ -182,3 +182,38 @@ async fn a_store_node_keeps_demoted_pages_and_serves_them_back() {
         "c pulled the first prompt's pages back from s"
     );
 }
+
+/// A request a gateway sends to a peer is counted where it runs: the peer's engine counts
+/// it in `mesh_tier_sequences_total` (with its prefilled prompt tokens), and the gateway,
+/// which ran nothing, counts no local engine request.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_peer_counts_the_requests_it_serves_for_another_gateway() {
+    let dir = tempfile::tempdir().unwrap();
+    let certs = certs(dir.path(), &["g", "b"]);
+    let g = Node::start("g", &certs, &[], "none", &["--roles", "gateway"]).expect("g");
+    let b = Node::start("b", &certs, &[&g.quic], "t1", &[]).expect("b");
+    let c = reqwest::Client::new();
+    wait_until("g to see b's t1", Duration::from_secs(30), async || {
+        let m = member(&c, &g.http, "b").await;
+        m["state"] == "alive" && m["tiers"][0]["name"] == "t1"
+    })
+    .await;
+    let served = metric(&c, &b.http, "mesh_tier_sequences_total").await;
+    for q in ["Name a colour.", "Name a fruit."] {
+        let body = json!({"model": "t1", "max_tokens": 8, "temperature": 0,
+            "messages": [{"role": "user", "content": q}]});
+        let r = c
+            .post(format!("{}/v1/chat/completions", g.http))
+            .json(&body)
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status().as_u16(), 200);
+    }
+    assert_eq!(
+        metric(&c, &b.http, "mesh_tier_sequences_total").await - served,
+        2.0
+    );
+    assert!(metric(&c, &b.http, "mesh_tier_prompt_tokens_total").await > 0.0);
+    assert_eq!(metric(&c, &g.http, "mesh_engine_requests_total").await, 0.0);
+}
