@@ -695,6 +695,10 @@ async fn counters(client: &reqwest::Client, replicas: &[Server]) -> Vec<Map<Stri
         for (k, v) in by_label(&m, &[GATEWAY_ITL], "le") {
             one.insert(k, json!(v));
         }
+        // The engine's steps by kind and duration, series as they are (model, kind, le).
+        for (k, v) in m.iter().filter(|(k, _)| k.starts_with(STEP_DURATION)) {
+            one.insert(k.clone(), v.clone());
+        }
         out.push(one);
     }
     out
@@ -756,6 +760,9 @@ fn by_label(metrics: &Map<String, Value>, names: &[&str], label: &str) -> Vec<(S
     }
     out
 }
+
+/// The histogram of mesh's engine steps by kind (decode, prefill, publish) and duration.
+const STEP_DURATION: &str = "mesh_tier_step_duration_seconds";
 
 /// The histogram of inter-token gaps mesh's gateways measured (as tokens reached the
 /// gateway from its own engine or a peer's, before the HTTP layer).

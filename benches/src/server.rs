@@ -167,7 +167,10 @@ pub(crate) fn metric_sum(
 }
 
 /// Histograms whose buckets [`parse_prometheus`] keeps (the others' buckets are left out).
-pub(crate) const KEPT_HISTOGRAMS: &[&str] = &["mesh_inter_token_latency_seconds_bucket"];
+pub(crate) const KEPT_HISTOGRAMS: &[&str] = &[
+    "mesh_inter_token_latency_seconds_bucket",
+    "mesh_tier_step_duration_seconds_bucket",
+];
 
 /// Samples of a Prometheus text exposition, without comments and histogram buckets (but
 /// those of [`KEPT_HISTOGRAMS`]).

@@ -348,6 +348,13 @@ struct StepLabel {
     phase: &'static str,
 }
 
+/// Label: model and step kind (`mesh_tiers::STEP_KINDS`).
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct StepKindLabel {
+    model: String,
+    kind: &'static str,
+}
+
 /// Label: model and storage tier.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct TierLabel {
@@ -744,6 +751,35 @@ impl Collector for NodeCollector {
                         phase,
                     };
                     ConstCounter::new(secs).encode(f.encode_family(&labels)?)?;
+                }
+            }
+        }
+        if !hw.is_empty() {
+            let mut f = enc.encode_descriptor(
+                "tier_step_duration_seconds",
+                "Engine steps by duration and kind: decode (only decodes), prefill (with a prompt chunk), publish (ended a prompt and read its KV state to publish new pages). A running sequence's gap between two tokens is the step between them",
+                None,
+                MetricType::Histogram,
+            )?;
+            for (n, s) in &hw {
+                for (k, kind) in mesh_tiers::STEP_KINDS.iter().enumerate() {
+                    let counts: Vec<u64> = s.step_hist[k].iter().map(|c| c.load(Relaxed)).collect();
+                    let buckets: Vec<(f64, u64)> = mesh_tiers::STEP_BUCKET_BOUNDS_S
+                        .iter()
+                        .copied()
+                        .chain([f64::MAX])
+                        .zip(counts.iter().copied())
+                        .collect();
+                    let labels = StepKindLabel {
+                        model: n.clone(),
+                        kind,
+                    };
+                    f.encode_family(&labels)?.encode_histogram::<NoLabels>(
+                        s.step_hist_ns[k].load(Relaxed) as f64 / 1e9,
+                        counts.iter().sum(),
+                        &buckets,
+                        None,
+                    )?;
                 }
             }
         }

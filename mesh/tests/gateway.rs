@@ -386,6 +386,40 @@ async fn metrics_are_prometheus_text_with_request_and_latency_series() {
     assert!(m.contains("status=\"404\""));
 }
 
+/// Every engine step lands once in `mesh_tier_step_duration_seconds`, under its kind: the
+/// step that ends the prompt and publishes its pages is the one `publish` step, the tokens
+/// after it come from `decode` steps.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn each_engine_step_is_timed_once_under_its_kind() {
+    let (base, _stop) = node(4, 2).await;
+    let c = reqwest::Client::new();
+    let mut req = forecast_request();
+    req["max_tokens"] = json!(6);
+    let (s, _, v) = post(&c, format!("{base}/v1/chat/completions"), req).await;
+    assert_eq!(s, 200, "{v}");
+    let m = c
+        .get(format!("{base}/metrics"))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    let count = |kind: &str| {
+        metric(
+            &m,
+            &format!("mesh_tier_step_duration_seconds_count{{model=\"t1\",kind=\"{kind}\"}}"),
+        )
+    };
+    assert_eq!(count("publish"), 1.0, "{m}");
+    assert!(count("decode") >= 1.0, "{m}");
+    assert_eq!(
+        count("decode") + count("prefill") + count("publish"),
+        metric(&m, "mesh_tier_steps_total"),
+        "{m}"
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn overload_gets_429_and_disconnect_frees_the_sequence() {
     let (base, _stop) = node(1, 1).await;

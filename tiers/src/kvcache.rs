@@ -466,12 +466,12 @@ impl KvCache {
     /// Publishes the prompt's full blocks not stored yet (call once the prompt is prefilled).
     /// Blocks another sequence already stored are counted as deduplicated. The state is
     /// read here; the pages are cut and stored on the publisher thread ([`Self::wait`]
-    /// waits for them).
-    pub fn publish(&mut self, ctx: &LlamaContext<'_>, seq: i32, plan: &mut PromptPages) {
-        let Some(salt) = plan.salt else { return };
+    /// waits for them). Returns whether it read the state (false: nothing new to store).
+    pub fn publish(&mut self, ctx: &LlamaContext<'_>, seq: i32, plan: &mut PromptPages) -> bool {
+        let Some(salt) = plan.salt else { return false };
         let from = plan.restored.min(plan.ids.len());
         if from == plan.ids.len() {
-            return;
+            return false;
         }
         let held = self.store.held(&plan.ids[from..]);
         let dup = held.iter().filter(|h| **h).count();
@@ -480,7 +480,7 @@ impl KvCache {
                 .note_dedup(dup, self.layout.page_bytes(self.block));
         }
         if dup == held.len() {
-            return;
+            return false;
         }
         let pages: Vec<(usize, PageId)> = (from..plan.ids.len())
             .zip(held)
@@ -516,12 +516,13 @@ impl KvCache {
         // Without the thread (it could not start, or a task panicked): here.
         let task = match &self.publisher.worker {
             Some(w) => match w.run(task) {
-                Ok(()) => return,
+                Ok(()) => return true,
                 Err(task) => task,
             },
             None => task,
         };
         task();
+        true
     }
 
     /// Waits until the pages `plan` handed to the publisher thread are stored.

@@ -52,7 +52,10 @@ pub use config::{
     CpuMoe, DraftAcceptance, DraftConfig, EngineConfig, GpuLayers, KvPagesConfig, KvType,
     PageStoreRef, ThreadSetup, EXPERT_TENSORS,
 };
-pub use engine::{backend, Engine, EngineStats, ModelInfo, PageHandles, STEP_PHASES};
+pub use engine::{
+    backend, step_bucket, step_kind, Engine, EngineStats, ModelInfo, PageHandles, STEP_BUCKETS,
+    STEP_BUCKET_BOUNDS_S, STEP_KINDS, STEP_PHASES,
+};
 pub use error::TierError;
 pub use request::{
     FinishReason, GenerateRequest, LogprobEntry, SamplingParams, TokenEvent, TokenLogprobs, Usage,

@@ -16,7 +16,7 @@ use tracing::{debug, warn};
 
 use super::drafting::{Draft, SpecSeq};
 use super::residency::{copy_prefix, Resident};
-use super::{phase, Command, EngineStats, ModelInfo, Pending};
+use super::{phase, step_kind, Command, EngineStats, ModelInfo, Pending};
 use crate::format::ThinkMarkers;
 use crate::kvcache::{KvCache, PromptPages};
 use crate::plan::{self, SlotView, Work};
@@ -478,13 +478,17 @@ impl<'m> Loop<'m> {
             phase::SAMPLE,
             (publishing - sampling).saturating_sub(Duration::from_nanos(emit_ns)),
         );
+        let mut published = false;
         for slot in prompt_done {
             if let Some(mut s) = self.slots[slot].take() {
-                self.publish(slot, &mut s);
+                published |= self.publish(slot, &mut s);
                 self.slots[slot] = Some(s);
             }
         }
-        self.add_time(phase::PUBLISH, publishing.elapsed());
+        let end = Instant::now();
+        self.add_time(phase::PUBLISH, end - publishing);
+        self.stats
+            .time_step(step_kind(prompt_tokens, published), end - start);
     }
 
     /// Adds `d` to the time of step phase `i`.
@@ -493,16 +497,19 @@ impl<'m> Loop<'m> {
     }
 
     /// Publishes the new pages of `s` (in slot `slot`) when they are due, and releases its
-    /// claim on them, so that requests waiting for them go on.
-    pub(super) fn publish(&mut self, slot: usize, s: &mut Slot) {
+    /// claim on them, so that requests waiting for them go on. Returns whether the
+    /// sequence's KV state was read for it.
+    pub(super) fn publish(&mut self, slot: usize, s: &mut Slot) -> bool {
         if !std::mem::take(&mut s.publish_due) {
-            return;
+            return false;
         }
-        if let Some(kv) = &mut self.kv {
-            kv.publish(&self.ctx, slot as i32, &mut s.pages);
-        }
+        let read = match &mut self.kv {
+            Some(kv) => kv.publish(&self.ctx, slot as i32, &mut s.pages),
+            None => false,
+        };
         self.unpend(s);
         s.pages.clear_pending();
+        read
     }
 
     /// The token plain decoding would choose from logits row `row`: the request's sampler

@@ -12,7 +12,7 @@ use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::mpsc as std_mpsc;
 use std::sync::{Arc, OnceLock};
 use std::thread::JoinHandle;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use llama_cpp_2::llama_backend::LlamaBackend;
 use llama_cpp_2::model::LlamaModel;
@@ -150,6 +150,55 @@ pub struct EngineStats {
     pub hw: crate::hwcount::HwStats,
     /// Nanoseconds the engine thread spent in each phase of its steps, by [`STEP_PHASES`].
     pub step_ns: [AtomicU64; STEP_PHASES.len()],
+    /// Steps by kind ([`STEP_KINDS`]) and duration bucket ([`STEP_BUCKET_BOUNDS_S`], then
+    /// one bucket for longer ones): a running sequence's gap between two tokens is the step
+    /// between them, so this tells which steps make the inter-token tail.
+    pub step_hist: [[AtomicU64; STEP_BUCKETS]; STEP_KINDS.len()],
+    /// Nanoseconds of the steps counted in `step_hist`, by kind.
+    pub step_hist_ns: [AtomicU64; STEP_KINDS.len()],
+}
+
+impl EngineStats {
+    /// Counts a step of kind `kind` (index into [`STEP_KINDS`]) that took `d`.
+    pub fn time_step(&self, kind: usize, d: Duration) {
+        self.step_hist[kind][step_bucket(d.as_secs_f64())].fetch_add(1, Ordering::Relaxed);
+        self.step_hist_ns[kind].fetch_add(d.as_nanos() as u64, Ordering::Relaxed);
+    }
+}
+
+/// The kinds of engine steps timed apart: only decodes (and drafts); with a prompt chunk;
+/// ending a prompt whose new pages it published (a read of the sequence's whole KV state
+/// on the engine thread).
+pub const STEP_KINDS: [&str; 3] = ["decode", "prefill", "publish"];
+
+/// Upper bounds, in seconds, of the step-duration buckets: 0.25 ms doubling to about 4 s.
+pub const STEP_BUCKET_BOUNDS_S: [f64; 15] = [
+    0.00025, 0.0005, 0.001, 0.002, 0.004, 0.008, 0.016, 0.032, 0.064, 0.128, 0.256, 0.512, 1.024,
+    2.048, 4.096,
+];
+
+/// Buckets per step kind: one per bound and one for longer steps.
+pub const STEP_BUCKETS: usize = STEP_BUCKET_BOUNDS_S.len() + 1;
+
+/// The bucket of a step of `secs` seconds: the first whose bound is at least `secs`, or the
+/// last one past every bound.
+pub fn step_bucket(secs: f64) -> usize {
+    STEP_BUCKET_BOUNDS_S
+        .iter()
+        .position(|b| secs <= *b)
+        .unwrap_or(STEP_BUCKET_BOUNDS_S.len())
+}
+
+/// The kind (index into [`STEP_KINDS`]) of a step that prefilled `prompt_tokens` and read a
+/// sequence's state to publish pages (`published`) or not.
+pub fn step_kind(prompt_tokens: u64, published: bool) -> usize {
+    if published {
+        2
+    } else if prompt_tokens > 0 {
+        1
+    } else {
+        0
+    }
 }
 
 /// The phases of an engine step, in order: building the batch (planning, prompt chunks),
@@ -524,5 +573,42 @@ impl Drop for Engine {
         if let Some(t) = self.thread.take() {
             let _ = t.join();
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_step_falls_in_the_first_bucket_whose_bound_holds_it() {
+        assert_eq!(step_bucket(0.0), 0);
+        assert_eq!(step_bucket(0.00025), 0);
+        assert_eq!(step_bucket(0.0003), 1);
+        assert_eq!(step_bucket(0.003), 4);
+        assert_eq!(step_bucket(4.096), STEP_BUCKETS - 2);
+        assert_eq!(step_bucket(10.0), STEP_BUCKETS - 1);
+    }
+
+    #[test]
+    fn a_step_that_published_counts_as_a_publish_whatever_it_prefilled() {
+        assert_eq!(STEP_KINDS[step_kind(0, false)], "decode");
+        assert_eq!(STEP_KINDS[step_kind(12, false)], "prefill");
+        assert_eq!(STEP_KINDS[step_kind(12, true)], "publish");
+    }
+
+    #[test]
+    fn a_timed_step_counts_once_under_its_kind_with_its_time() {
+        let s = EngineStats::default();
+        s.time_step(1, Duration::from_millis(3));
+        let counts: Vec<Vec<u64>> = s
+            .step_hist
+            .iter()
+            .map(|k| k.iter().map(|c| c.load(Ordering::Relaxed)).collect())
+            .collect();
+        let mut want = vec![vec![0u64; STEP_BUCKETS]; STEP_KINDS.len()];
+        want[1][4] = 1;
+        assert_eq!(counts, want);
+        assert_eq!(s.step_hist_ns[1].load(Ordering::Relaxed), 3_000_000);
     }
 }
