@@ -143,14 +143,7 @@ async fn agent_task_calls_a_real_mcp_tool_and_repeats_hit_the_cache() {
     assert_eq!(again["source"], "cached", "{t2}");
     assert_eq!(again["result"], first["result"]);
 
-    let metrics = c
-        .get(format!("{base}/metrics"))
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
+    let metrics = common::scrape(&c, &base).await;
     assert!(
         metric(
             &metrics,

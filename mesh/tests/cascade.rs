@@ -149,14 +149,7 @@ async fn cascade_keeps_the_first_confident_tier() {
         "{sse}"
     );
 
-    let metrics = c
-        .get(format!("{strict}/metrics"))
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
+    let metrics = common::scrape(&c, &strict).await;
     assert!(
         metrics.contains(r#"mesh_cascade_steps_total{tier="t1",verdict="low_margin"} 2"#),
         "{metrics}"

@@ -365,14 +365,7 @@ async fn metrics_are_prometheus_text_with_request_and_latency_series() {
     )
     .await;
     assert_eq!(s, 404);
-    let m = c
-        .get(format!("{base}/metrics"))
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
+    let m = common::scrape(&c, &base).await;
     for name in [
         "mesh_http_requests_total",
         "mesh_time_to_first_token_seconds_bucket",
@@ -408,14 +401,7 @@ async fn each_engine_step_is_timed_once_under_its_kind() {
     // waits (a bounded while) for the engine to finish that step.
     let deadline = std::time::Instant::now() + Duration::from_secs(5);
     let m = loop {
-        let m = c
-            .get(format!("{base}/metrics"))
-            .send()
-            .await
-            .unwrap()
-            .text()
-            .await
-            .unwrap();
+        let m = common::scrape(&c, &base).await;
         if timed(&m) == metric(&m, "mesh_tier_steps_total") || std::time::Instant::now() > deadline
         {
             break m;
@@ -467,14 +453,7 @@ async fn overload_gets_429_and_disconnect_frees_the_sequence() {
         }
     }
     assert!(ok, "the slot never came free after the client left");
-    let m = c
-        .get(format!("{base}/metrics"))
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
+    let m = common::scrape(&c, &base).await;
     let cancelled = m
         .lines()
         .find(|l| l.starts_with("mesh_cancelled_requests{"))
@@ -509,14 +488,7 @@ async fn agents_with_the_same_tools_share_prefix_pages() {
     )
     .await;
     assert_eq!(s, 200);
-    let m0 = c
-        .get(format!("{base}/metrics"))
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
+    let m0 = common::scrape(&c, &base).await;
     assert_eq!(prefix_reuses(&m0), 0.0);
     assert!(metric(&m0, "mesh_kv_pages_published_total") > 0.0, "{m0}");
     // This host has no far memory: the tier is reported absent and has no rows of its own.
@@ -549,14 +521,7 @@ async fn agents_with_the_same_tools_share_prefix_pages() {
     )
     .await;
     assert_eq!(s, 200);
-    let m1 = c
-        .get(format!("{base}/metrics"))
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
+    let m1 = common::scrape(&c, &base).await;
     assert_eq!(prefix_reuses(&m1), 1.0, "{m1}");
     assert!(
         metric(&m1, "mesh_kv_recompute_avoided_tokens_total")
@@ -580,15 +545,7 @@ async fn agents_with_the_same_tools_share_prefix_pages() {
         first["choices"][0]["message"]["content"]
     );
     // Another tool set (a subset of the same schemas) is another scope: no reuse across scopes.
-    let hits_before = prefix_reuses(
-        &c.get(format!("{base}/metrics"))
-            .send()
-            .await
-            .unwrap()
-            .text()
-            .await
-            .unwrap(),
-    );
+    let hits_before = prefix_reuses(&common::scrape(&c, &base).await);
     let fewer = json!([weather_tools()[0].clone(), weather_tools()[1].clone()]);
     let (s, _, _) = post(
         &c,
@@ -597,14 +554,7 @@ async fn agents_with_the_same_tools_share_prefix_pages() {
     )
     .await;
     assert_eq!(s, 200);
-    let m2 = c
-        .get(format!("{base}/metrics"))
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
+    let m2 = common::scrape(&c, &base).await;
     assert_eq!(
         prefix_reuses(&m2),
         hits_before,

@@ -114,14 +114,7 @@ async fn many_tools_are_routed_to_the_top_k() {
     let v = chat(&c, &base, ask(&tools[..4], None)).await;
     assert!(v["mesh"].get("router").is_none(), "{v}");
 
-    let metrics = c
-        .get(format!("{base}/metrics"))
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
+    let metrics = common::scrape(&c, &base).await;
     assert!(
         metrics.contains(r#"mesh_tool_routing_total{outcome="routed"} 2"#),
         "{metrics}"

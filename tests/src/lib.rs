@@ -412,6 +412,23 @@ pub async fn greedy_reply(http: &str) -> String {
         .to_owned()
 }
 
+/// Sum of the series on `base`'s `/metrics` whose line starts with `series`: a metric's
+/// name, or its name and leading labels (`mesh_kv_pages{model="t1",tier="ram"}`).
+pub async fn metric(c: &reqwest::Client, base: &str, series: &str) -> f64 {
+    let text = c
+        .get(format!("{base}/metrics"))
+        .send()
+        .await
+        .expect("GET /metrics")
+        .text()
+        .await
+        .expect("metrics text");
+    text.lines()
+        .filter(|l| l.starts_with(series) && !l.starts_with('#'))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum()
+}
+
 /// Sum of every series of Prometheus metric `name` (all label sets) on `http`'s `/metrics`.
 pub async fn metric_total(http: &str, name: &str) -> f64 {
     let text = reqwest::get(format!("{http}/metrics"))

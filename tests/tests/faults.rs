@@ -5,7 +5,7 @@
 use std::time::{Duration, Instant};
 
 use futures::future::join_all;
-use mesh_tests::{certs, Node};
+use mesh_tests::{certs, metric, Node};
 use serde_json::{json, Value};
 
 const TOKEN: &str = "fault-token-for-the-failure-tests";
@@ -389,21 +389,6 @@ async fn requests_queued_on_a_crashed_engine_wait_for_its_restart() {
     );
     // The engine was restarted under the engines actor, which itself kept running.
     assert_eq!(child(&c, &n.http, "engines").await, (true, restarts));
-}
-
-async fn metric(c: &reqwest::Client, base: &str, name: &str) -> f64 {
-    let text = c
-        .get(format!("{base}/metrics"))
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
-    text.lines()
-        .filter(|l| l.starts_with(name) && !l.starts_with('#'))
-        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-        .sum()
 }
 
 async fn tiers_of(c: &reqwest::Client, base: &str, node: &str) -> Vec<String> {

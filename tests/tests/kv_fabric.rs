@@ -2,7 +2,7 @@
 //! node B when B serves a request sharing it (A busy), and B's answer equals a node
 //! without any page reuse.
 
-use mesh_tests::{cluster_view, member_view, mesh, wait_until, Node};
+use mesh_tests::{cluster_view, member_view, mesh, metric, wait_until, Node};
 use serde_json::{json, Value};
 
 fn catalog_prefix() -> String {
@@ -40,21 +40,6 @@ async fn complete(c: &reqwest::Client, base: &str, prompt: &str, max_tokens: usi
         .as_str()
         .unwrap_or_else(|| panic!("no text: {r}"))
         .to_owned()
-}
-
-async fn metric(c: &reqwest::Client, base: &str, name: &str) -> f64 {
-    let text = c
-        .get(format!("{base}/metrics"))
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
-    text.lines()
-        .filter(|l| l.starts_with(name) && !l.starts_with('#'))
-        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-        .sum()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

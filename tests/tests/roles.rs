@@ -4,7 +4,7 @@
 
 use std::time::{Duration, Instant};
 
-use mesh_tests::{catalog, certs, t1_config, tools_prompt, Node};
+use mesh_tests::{catalog, certs, metric, t1_config, tools_prompt, Node};
 use serde_json::{json, Value};
 
 async fn get(c: &reqwest::Client, url: String) -> Value {
@@ -29,21 +29,6 @@ async fn wait_until(what: &str, limit: Duration, mut f: impl AsyncFnMut() -> boo
         assert!(t0.elapsed() < limit, "timed out waiting for {what}");
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
-}
-
-async fn metric(c: &reqwest::Client, base: &str, name: &str) -> f64 {
-    let text = c
-        .get(format!("{base}/metrics"))
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
-    text.lines()
-        .filter(|l| l.starts_with(name) && !l.starts_with('#'))
-        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-        .sum()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

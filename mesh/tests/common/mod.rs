@@ -87,3 +87,14 @@ pub(crate) fn shared_node(
     })
     .clone()
 }
+
+/// The text of `base`'s `/metrics` page.
+pub(crate) async fn scrape(c: &reqwest::Client, base: &str) -> String {
+    c.get(format!("{base}/metrics"))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap()
+}
