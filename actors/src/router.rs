@@ -36,6 +36,10 @@ pub struct Routed {
     pub offered: usize,
     /// Tools the prompt shows, best first.
     pub shown: Vec<String>,
+    /// The same tools in the order the prompt lists them (set by the gateway, which orders
+    /// them: [`mesh_control::router::listing_order`]).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub listed: Vec<String>,
     /// Cosine of the best tool.
     pub top1: f32,
     /// Top-1 minus top-2 cosine.
@@ -182,6 +186,7 @@ fn route(
         top1: routing.confidence.top1,
         margin: routing.confidence.margin,
         reranked: routing.reranked,
+        listed: Vec::new(),
     })
 }
 
@@ -292,6 +297,7 @@ pub fn routed_from_wire(i: crate::wire::RouterItem) -> Result<Routed, String> {
             top1,
             margin,
             reranked,
+            listed: Vec::new(),
         }),
         crate::wire::RouterItem::Failed(e) => Err(e),
     }

@@ -96,6 +96,33 @@ pub fn forced_tool(tool_choice: &Value) -> Option<&str> {
         .and_then(Value::as_str)
 }
 
+/// The order in which a step of a conversation lists its routed tools in the prompt.
+///
+/// `kept`: the tools the conversation's previous step listed, in that step's order (only
+/// those the request still offers); `routed`: this step's own tools (the router's choice plus
+/// the called and forced ones), in the request's order. The previous step's tools stay
+/// first, in their order, and this step's new ones follow: the step's prompt then starts with
+/// the previous step's tool list and reuses its KV (a list that changes at every step sends
+/// each step's prompt to prefill from its first tool). When that would list more than
+/// `cap` tools, the step starts over from `routed` alone.
+pub fn listing_order(kept: &[String], routed: &[String], cap: usize) -> Vec<String> {
+    let mut order: Vec<String> = Vec::with_capacity(kept.len() + routed.len());
+    for n in kept.iter().chain(routed) {
+        if !order.contains(n) {
+            order.push(n.clone());
+        }
+    }
+    if order.len() > cap {
+        order.clear();
+        for n in routed {
+            if !order.contains(n) {
+                order.push(n.clone());
+            }
+        }
+    }
+    order
+}
+
 /// Which text of a tool is embedded.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
@@ -626,6 +653,36 @@ mod tests {
     use super::*;
     use crate::embed::normalize;
     use crate::index::tests::Rng;
+
+    fn names(v: &[&str]) -> Vec<String> {
+        v.iter().map(|s| (*s).to_owned()).collect()
+    }
+
+    #[test]
+    fn a_step_lists_the_previous_steps_tools_first_in_their_order() {
+        let order = listing_order(&names(&["c", "a", "d"]), &names(&["a", "b", "e"]), 8);
+        assert_eq!(order, names(&["c", "a", "d", "b", "e"]));
+    }
+
+    #[test]
+    fn a_step_with_nothing_kept_lists_its_routed_tools_as_given() {
+        assert_eq!(
+            listing_order(&[], &names(&["b", "a"]), 4),
+            names(&["b", "a"])
+        );
+    }
+
+    #[test]
+    fn a_step_whose_list_would_pass_the_cap_starts_over() {
+        let order = listing_order(&names(&["a", "b", "c"]), &names(&["d", "e"]), 4);
+        assert_eq!(order, names(&["d", "e"]));
+    }
+
+    #[test]
+    fn a_step_routed_to_the_same_tools_lists_them_as_before() {
+        let kept = names(&["c", "a", "b"]);
+        assert_eq!(listing_order(&kept, &names(&["a", "b", "c"]), 3), kept);
+    }
 
     fn tool(name: &str, description: &str, params: &[&str]) -> Tool {
         let properties: serde_json::Map<String, Value> = params

@@ -325,21 +325,21 @@ async fn catalog_file_tools_stop_the_task_for_the_client() {
     );
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn each_agent_step_is_routed_and_keeps_the_tools_it_called() {
-    let dir = tempfile::tempdir().unwrap();
-    let mut cfg = config(&dir.path().canonicalize().unwrap());
+/// A node that routes tasks offering more than 8 tools to the top 3, with the catalog
+/// file's client-side tools beside the filesystem server's.
+async fn routing_node(dir: &Path) -> (String, tokio::sync::oneshot::Sender<()>) {
+    let mut cfg = config(dir);
     cfg.agent.catalog_files = vec![root().join("models/fixtures/catalog.jsonl")];
     cfg.tool_routing.route_above = 8;
     cfg.tool_routing.router.top_k = 3;
     cfg.tool_routing.embedder.model = root().join("models/embed/minilm-l6-tools-f16.gguf");
-    let (base, _stop) = common::in_process(cfg).await;
-    let c = reqwest::Client::new();
-    let input = "What is the weather in Oslo right now?";
-    // 40 client-side catalog tools and the server's list_allowed_directories, as the node
-    // lists them.
-    let listed = listed_tools(&c, &base).await;
-    let entries: Vec<&Value> = listed["catalog"]
+    common::in_process(cfg).await
+}
+
+/// 40 client-side catalog tools and the server's list_allowed_directories, as the node
+/// lists them (`GET /v1/tools`).
+fn routed_entries(listed: &Value) -> Vec<Value> {
+    let entries: Vec<Value> = listed["catalog"]
         .as_array()
         .unwrap()
         .iter()
@@ -351,8 +351,19 @@ async fn each_agent_step_is_routed_and_keeps_the_tools_it_called() {
                 .iter()
                 .filter(|t| t["name"] == "list_allowed_directories"),
         )
+        .cloned()
         .collect();
     assert_eq!(entries.len(), 41);
+    entries
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn each_agent_step_is_routed_and_keeps_the_tools_it_called() {
+    let dir = tempfile::tempdir().unwrap();
+    let (base, _stop) = routing_node(&dir.path().canonicalize().unwrap()).await;
+    let c = reqwest::Client::new();
+    let input = "What is the weather in Oslo right now?";
+    let entries = routed_entries(&listed_tools(&c, &base).await);
     let names: Vec<&Value> = entries.iter().map(|t| &t["name"]).collect();
 
     // Routed on the task's text alone, the folder tool is not among the top 3.
@@ -396,5 +407,46 @@ async fn each_agent_step_is_routed_and_keeps_the_tools_it_called() {
         second.contains(&json!("list_allowed_directories")),
         "{second:?}"
     );
-    assert_eq!(second.len(), 4, "top 3 plus the called tool: {second:?}");
+    assert_eq!(
+        second.len(),
+        4,
+        "turn 1's three (its top 2 and the forced tool) and turn 2's other routed tool: {second:?}"
+    );
+}
+
+/// A routed turn lists the tools the turn before it listed first, in the same order, and
+/// its new ones after them, so its prompt starts with the previous turn's and reuses its KV
+/// (both turns are in the scope of the offered tools, not of the tools each one shows). On a
+/// fresh node every cached token of the task is turn 2 reusing turn 1.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_routed_turn_lists_the_previous_turns_tools_first_and_reuses_its_prompt() {
+    let dir = tempfile::tempdir().unwrap();
+    let (base, _stop) = routing_node(&dir.path().canonicalize().unwrap()).await;
+    let c = reqwest::Client::new();
+    let entries = routed_entries(&listed_tools(&c, &base).await);
+    let names: Vec<&Value> = entries.iter().map(|t| &t["name"]).collect();
+    let (s, t) = task(
+        &c,
+        &base,
+        json!({"model": "t1", "input": "What is the weather in Oslo right now?", "tools": names,
+            "tool_choice": {"type": "function", "function": {"name": "list_allowed_directories"}},
+            "max_turns": 2, "max_tokens": 48}),
+    )
+    .await;
+    assert_eq!(s, 200, "{t}");
+    let shown = |turn: usize| {
+        t["turns"][turn]["tools_shown"]
+            .as_array()
+            .unwrap_or_else(|| panic!("turn {} was routed: {t}", turn + 1))
+            .clone()
+    };
+    let (first, second) = (shown(0), shown(1));
+    assert!(
+        second.len() > first.len() && second.starts_with(&first),
+        "turn 2 routed to other tools lists turn 1's first: {first:?} then {second:?}"
+    );
+    let cached = t["usage"]["prompt_tokens_details"]["cached_tokens"]
+        .as_u64()
+        .unwrap();
+    assert!(cached > 0, "turn 2 reused turn 1's prompt: {t}");
 }

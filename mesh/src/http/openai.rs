@@ -529,6 +529,7 @@ impl ChatRequest {
             template_kwargs: self.chat_template_kwargs.unwrap_or_default(),
             return_token_ids: self.return_token_ids,
             model: self.model,
+            ..ChatCall::default()
         })
     }
 }

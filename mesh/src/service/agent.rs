@@ -267,7 +267,8 @@ pub struct TurnRecord {
     /// The cascade's steps, for a cascade turn.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub cascade: Option<Vec<CascadeStep>>,
-    /// The tools the turn's prompt showed, when the router chose them for this step.
+    /// The tools the turn's prompt showed, in the prompt's order, when the router chose them
+    /// for this step.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub tools_shown: Option<Vec<String>>,
 }
@@ -503,6 +504,8 @@ impl Service {
         let mut error: Option<String> = None;
         let mut required = vec![];
         let mut status = Status::MaxTurns;
+        // The tools the last routed turn listed, in its order: the next turn lists them first.
+        let mut listed: Vec<String> = vec![];
         for turn in 1..=t.max_turns {
             let remaining = t.deadline.saturating_duration_since(Instant::now());
             if remaining.is_zero() {
@@ -520,6 +523,7 @@ impl Service {
                 },
                 max_tokens: Some(t.max_tokens),
                 reasoning_budget: t.reasoning_budget,
+                keep_tools: listed.clone(),
                 ..ChatCall::default()
             };
             // The draft model predicts the turn's tool call; read-only predictions start now.
@@ -579,6 +583,9 @@ impl Service {
                 .iter()
                 .map(|c| (c.id.clone().unwrap_or_else(call_id), c.clone()))
                 .collect();
+            if let Some(r) = &completion.mesh.router {
+                listed = r.listed.clone();
+            }
             let mut record = TurnRecord {
                 turn,
                 model: completion.model.clone(),
@@ -587,7 +594,13 @@ impl Service {
                 tool_calls: vec![],
                 cascade: (!completion.mesh.cascade.is_empty())
                     .then(|| completion.mesh.cascade.clone()),
-                tools_shown: completion.mesh.router.as_ref().map(|r| r.shown.clone()),
+                tools_shown: completion.mesh.router.as_ref().map(|r| {
+                    if r.listed.is_empty() {
+                        r.shown.clone()
+                    } else {
+                        r.listed.clone()
+                    }
+                }),
             };
             emit(TaskEvent::Turn {
                 turn,

@@ -57,8 +57,9 @@ pub(crate) fn prepare(call: &ChatCall, routed: Option<&RouterInfo>) -> Result<Pr
         ));
     }
     let (shown, forced) = tool_plan(call.tools.clone(), &call.tool_choice)?;
-    // Prefix pages are shared only between requests offered the same tools.
-    let scope = cache_scope(&shown);
+    // Prefix pages are shared only between requests offered the same tools (routing keeps
+    // the offered set's scope, so the routed steps of one conversation share pages).
+    let scope = call.scope.clone().unwrap_or_else(|| cache_scope(&shown));
     Ok(Prepared {
         input: ChatInput {
             messages: call.messages.clone(),
@@ -487,6 +488,7 @@ impl Service {
             },
         };
         let offered = call.tools.len();
+        let offered_scope = cache_scope(&call.tools);
         let routed = async {
             match (&local, &peer) {
                 (Some(slot), _) => router::ask(slot, query).await,
@@ -519,9 +521,37 @@ impl Service {
                         info.shown.push(u.clone());
                     }
                 }
-                // The request's own order, so requests that route to the same tools share
-                // one prompt prefix (and its KV pages).
-                call.tools.retain(|t| info.shown.contains(&t.name));
+                // The previous step's list first, in its order, then this step's other
+                // tools in the request's order (so requests routed to the same tools share
+                // one prompt prefix, and a conversation's steps extend each other's).
+                let routed: Vec<String> = call
+                    .tools
+                    .iter()
+                    .filter(|t| info.shown.contains(&t.name))
+                    .map(|t| t.name.clone())
+                    .collect();
+                let kept: Vec<String> = call
+                    .keep_tools
+                    .iter()
+                    .filter(|n| call.tools.iter().any(|t| &t.name == *n))
+                    .cloned()
+                    .collect();
+                let listed = mesh_control::router::listing_order(&kept, &routed, 2 * routed.len());
+                for n in &listed {
+                    if !info.shown.contains(n) {
+                        info.shown.push(n.clone());
+                    }
+                }
+                let mut tools = std::mem::take(&mut call.tools);
+                call.tools = listed
+                    .iter()
+                    .filter_map(|n| {
+                        let i = tools.iter().position(|t| &t.name == n)?;
+                        Some(tools.swap_remove(i))
+                    })
+                    .collect();
+                info.listed = listed;
+                call.scope = Some(offered_scope);
                 m.tools_removed.inc_by((offered - call.tools.len()) as u64);
                 Some(info)
             }

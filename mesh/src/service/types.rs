@@ -104,6 +104,13 @@ pub struct ChatCall {
     pub template_kwargs: Map<String, Value>,
     /// Return the prompt's and the answer's token ids (as vLLM's `return_token_ids`).
     pub return_token_ids: bool,
+    /// The tools the conversation's previous step listed, in the order its prompt listed
+    /// them (`Routed::listed`; the agent loop passes its last turn's): routing keeps them
+    /// first, so this step's prompt extends that step's. Not part of the HTTP API.
+    pub keep_tools: Vec<String>,
+    /// The page scope: set by routing to the offered tools' (so that the steps of one
+    /// conversation, routed to different tools, share pages); unset, the shown tools'.
+    pub scope: Option<String>,
 }
 
 /// A raw prompt.
