@@ -123,11 +123,19 @@ pub(crate) fn constrain(
     Ok((grammar, parse))
 }
 
+/// The page scope of a tool set: its sorted names, or, past 256 bytes (a routed request
+/// offering a large catalog), their blake3 hash, so the scope every generate request carries
+/// (to a peer too) stays small.
 fn cache_scope(tools: &[ToolSpec]) -> String {
     let mut names: Vec<&str> = tools.iter().map(|t| t.name.as_str()).collect();
     names.sort_unstable();
     names.dedup();
-    format!("tools:{}", names.join(","))
+    let joined = names.join(",");
+    if joined.len() <= 256 {
+        format!("tools:{joined}")
+    } else {
+        format!("tools#{}", blake3::hash(joined.as_bytes()).to_hex())
+    }
 }
 
 /// Tools to show in the prompt and the ones a call must name, from `tool_choice`.
@@ -1049,6 +1057,22 @@ mod tests {
     fn a_named_tool_is_forced() {
         let (_, forced) = tool_plan(tools(), &ToolChoice::Named("f".into())).unwrap();
         assert_eq!(forced.unwrap()[0].name, "f");
+    }
+
+    #[test]
+    fn a_large_tool_set_has_a_short_scope_of_its_own() {
+        let named = |n: usize| -> Vec<ToolSpec> {
+            (0..n)
+                .map(|i| ToolSpec {
+                    name: format!("catalog_tool_{i}"),
+                    ..tools()[0].clone()
+                })
+                .collect()
+        };
+        let (all, fewer) = (cache_scope(&named(200)), cache_scope(&named(199)));
+        assert!(all.len() < 80 && fewer.len() < 80, "{all}");
+        assert_ne!(all, fewer);
+        assert_eq!(cache_scope(&tools()), "tools:f");
     }
 
     fn call_with(choice: ToolChoice, format: ResponseFormat) -> ChatCall {
