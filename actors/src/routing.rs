@@ -69,6 +69,59 @@ pub fn pick<'a>(cands: &'a [Candidate], exclude: &[String]) -> Option<&'a Candid
     best
 }
 
+/// Drops the candidates `prefill_only` says are prefill nodes, unless only prefill nodes
+/// host the tier: those then decode too, rather than the request failing.
+pub fn decoders(cands: &mut Vec<Candidate>, prefill_only: impl Fn(&Candidate) -> bool) {
+    if cands.iter().any(|c| !prefill_only(c)) {
+        cands.retain(|c| !prefill_only(c));
+    }
+}
+
+/// When a decode node hands a prompt's prefill to a prefill node (roles `decode` and
+/// `prefill`): prompts with at least `min_tokens` tokens it does not hold as pages, and only
+/// to a prefill node with fewer than `max_queue` requests waiting for a slot. Shorter prompts
+/// and busy prefill nodes: the decode node prefills itself.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Handoff {
+    /// Fewest uncached prompt tokens worth a hand-off.
+    pub min_tokens: usize,
+    /// A prefill node with this many requests queued (or more) takes no hand-off.
+    pub max_queue: u32,
+}
+
+impl Default for Handoff {
+    fn default() -> Self {
+        Self {
+            min_tokens: 1024,
+            max_queue: 2,
+        }
+    }
+}
+
+/// The prefill node to hand a prompt of `prompt_tokens` to, of which this node holds
+/// `cached_here` as pages; `None`: prefill here. `peers` are the prefill nodes hosting the
+/// tier, their `cached_tokens` and `prompt_tokens` filled in; the least costly by
+/// [`score`] (its load, and the share of the prompt it would still compute) among those
+/// under the queue limit wins.
+pub fn prefill_peer<'a>(
+    h: &Handoff,
+    prompt_tokens: usize,
+    cached_here: usize,
+    peers: &'a [Candidate],
+) -> Option<&'a Candidate> {
+    if prompt_tokens.saturating_sub(cached_here) < h.min_tokens {
+        return None;
+    }
+    peers
+        .iter()
+        .filter(|c| c.queued < h.max_queue)
+        .min_by(|a, b| {
+            score(a)
+                .total_cmp(&score(b))
+                .then_with(|| a.node.cmp(&b.node))
+        })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -134,5 +187,54 @@ mod tests {
         big.n_seq_max = 16;
         let small = c("a", true, 2, 0);
         assert_eq!(pick(&[small, big], &[]).unwrap().node, "b");
+    }
+
+    fn prefill(node: &str, queued: u32, cached: u32) -> Candidate {
+        Candidate {
+            queued,
+            cached_tokens: cached,
+            prompt_tokens: 4000,
+            ..c(node, false, 0, 0)
+        }
+    }
+
+    #[test]
+    fn a_short_prompt_is_prefilled_where_it_landed() {
+        let h = Handoff::default();
+        let peers = [prefill("p", 0, 0)];
+        assert!(prefill_peer(&h, 1023, 0, &peers).is_none());
+        // Long, but most of it is already here as pages.
+        assert!(prefill_peer(&h, 4000, 3500, &peers).is_none());
+        assert_eq!(prefill_peer(&h, 1024, 0, &peers).unwrap().node, "p");
+    }
+
+    #[test]
+    fn a_long_prompt_goes_to_the_least_loaded_prefill_node_under_the_queue_limit() {
+        let h = Handoff::default();
+        let peers = [prefill("p1", 1, 0), prefill("p2", 0, 0)];
+        assert_eq!(prefill_peer(&h, 4000, 0, &peers).unwrap().node, "p2");
+        // The prefix the peer holds counts as prefill it saves.
+        let peers = [prefill("p1", 0, 3000), prefill("p2", 0, 0)];
+        assert_eq!(prefill_peer(&h, 4000, 0, &peers).unwrap().node, "p1");
+        // Every prefill node at its queue limit: prefill here.
+        let peers = [prefill("p1", 2, 0), prefill("p2", 5, 0)];
+        assert!(prefill_peer(&h, 4000, 0, &peers).is_none());
+        assert!(prefill_peer(&h, 4000, 0, &[]).is_none());
+    }
+
+    #[test]
+    fn prefill_nodes_decode_only_when_nothing_else_hosts_the_tier() {
+        let is_p = |x: &Candidate| x.node.starts_with('p');
+        let mut cs = vec![
+            c("p1", false, 0, 0),
+            c("d1", false, 3, 3),
+            c("p2", true, 0, 0),
+        ];
+        decoders(&mut cs, is_p);
+        assert_eq!(cs.len(), 1);
+        assert_eq!(pick(&cs, &[]).unwrap().node, "d1");
+        let mut cs = vec![c("p1", false, 0, 0), c("p2", true, 1, 1)];
+        decoders(&mut cs, is_p);
+        assert_eq!(cs.len(), 2);
     }
 }

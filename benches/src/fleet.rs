@@ -2,6 +2,9 @@
 //! balancer, the deployment a mesh replaces.
 //!
 //! Fleets, one at a time on the same cores: `mesh` = N `mesh join` nodes in one cluster;
+//! `mesh-split` = the same cluster with node 0 in role `prefill` and the others in role
+//! `decode`, the proxy in front of the decode nodes only (prompts of `--handoff-tokens`
+//! uncached tokens or more are prefilled on node 0);
 //! `llama-rr` = N llama-servers; `llama-sticky` = the same N llama-servers with session-sticky
 //! balancing. Replica i of every fleet is pinned (`taskset`) to its own `--threads` cores
 //! starting at `--first-core + i × threads`, with the same model, slots, context and batch.
@@ -65,6 +68,9 @@ pub(crate) enum Fleet {
     /// N `mesh join` nodes that do not know each other (no routing between them, no page
     /// pulls), round-robin in front: what the cluster adds or costs.
     MeshSolo,
+    /// N `mesh join` nodes in one cluster, node 0 prefilling long prompts for the others
+    /// (roles `prefill`, `decode`), round-robin in front of nodes 1..N.
+    MeshSplit,
     /// N llama-servers, round-robin in front.
     LlamaRr,
     /// N llama-servers, session-sticky in front.
@@ -76,6 +82,7 @@ impl Fleet {
         match self {
             Fleet::Mesh => "mesh",
             Fleet::MeshSolo => "mesh-solo",
+            Fleet::MeshSplit => "mesh-split",
             Fleet::LlamaRr => "llama-rr",
             Fleet::LlamaSticky => "llama-sticky",
         }
@@ -118,6 +125,10 @@ pub(crate) struct FleetArgs {
     /// Tokens per KV page for mesh (0 = mesh's default).
     #[arg(long, default_value_t = 0)]
     kv_block: usize,
+    /// mesh-split: a decode node hands prompts with at least this many uncached tokens to
+    /// the prefill node.
+    #[arg(long, default_value_t = 256)]
+    handoff_tokens: usize,
     /// Tokens generated per request (EOS ignored).
     #[arg(long, default_value_t = 24)]
     max_tokens: usize,
@@ -178,6 +189,9 @@ impl FleetArgs {
     fn validate(&self) -> Result<()> {
         if self.nodes == 0 || self.max_tokens == 0 || self.fleets.is_empty() {
             bail!("--nodes, --max-tokens and --fleets must not be zero or empty");
+        }
+        if self.fleets.contains(&Fleet::MeshSplit) && self.nodes < 2 {
+            bail!("mesh-split needs --nodes 2 or more (one prefill node, the others decode)");
         }
         let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
         let last = self.first_core + self.nodes * self.servers.threads as usize;
@@ -498,6 +512,7 @@ fn join_args(
     quic: u16,
     certs: &Path,
     seed: Option<&str>,
+    split: bool,
 ) -> Vec<String> {
     let s = &a.servers;
     let mut v: Vec<String> = [
@@ -527,6 +542,11 @@ fn join_args(
         v.extend(["--kv-block".into(), a.kv_block.to_string()]);
     }
     v.extend(s.mesh_extra.iter().cloned());
+    if split {
+        let role = if i == 0 { "prefill" } else { "gateway,decode" };
+        v.extend(["--roles".into(), role.into()]);
+        v.extend(["--handoff-tokens".into(), a.handoff_tokens.to_string()]);
+    }
     if let Some(seed) = seed {
         v.extend(["--seeds".into(), seed.to_owned()]);
     }
@@ -547,7 +567,8 @@ async fn start(
     let timeout = Duration::from_secs(a.servers.ready_timeout_s);
     let mut seed: Option<String> = None;
     let certs = logs.join("certs");
-    let mesh = matches!(fleet, Fleet::Mesh | Fleet::MeshSolo);
+    let mesh = matches!(fleet, Fleet::Mesh | Fleet::MeshSolo | Fleet::MeshSplit);
+    let cluster = matches!(fleet, Fleet::Mesh | Fleet::MeshSplit);
     if mesh && !certs.join("ca.pem").exists() {
         mesh_transport::tls::init_ca(&certs, "bench")?;
     }
@@ -555,13 +576,14 @@ async fn start(
         let port = free_port()?;
         let log = logs.join(format!("{tag}-{i}.log"));
         let (program, args) = match fleet {
-            Fleet::Mesh | Fleet::MeshSolo => {
+            Fleet::Mesh | Fleet::MeshSolo | Fleet::MeshSplit => {
                 if !certs.join(format!("n{i}.pem")).exists() {
                     mesh_transport::tls::issue(&certs, &format!("n{i}"))?;
                 }
                 let quic = free_udp_port()?;
-                let args = join_args(a, i, port, quic, &certs, seed.as_deref());
-                if i == 0 && fleet == Fleet::Mesh {
+                let split = fleet == Fleet::MeshSplit;
+                let args = join_args(a, i, port, quic, &certs, seed.as_deref(), split);
+                if i == 0 && cluster {
                     seed = Some(format!("127.0.0.1:{quic}"));
                 }
                 pinned(&a.cores(i), &a.servers.mesh_bin, args)
@@ -583,7 +605,7 @@ async fn start(
         into.replicas.push(s);
         ready?;
     }
-    if fleet == Fleet::Mesh {
+    if cluster {
         wait_cluster(client, &into.replicas, a.nodes, timeout).await?;
     }
     let port = free_port()?;
@@ -594,7 +616,12 @@ async fn start(
         "--policy".into(),
         fleet.policy().arg().into(),
     ];
-    for r in &into.replicas {
+    // The prefill node of mesh-split serves no clients.
+    let serving = match fleet {
+        Fleet::MeshSplit if a.nodes > 1 => &into.replicas[1..],
+        _ => &into.replicas[..],
+    };
+    for r in serving {
         args.extend(["--backend".into(), r.base_url.clone()]);
     }
     let exe = std::env::current_exe().context("finding mesh-bench's own path")?;
@@ -690,6 +717,9 @@ async fn counters(client: &reqwest::Client, replicas: &[Server]) -> Vec<Map<Stri
             }
         }
         for (k, v) in by_label(&m, PHASE_COUNTERS, "phase") {
+            one.insert(k, json!(v));
+        }
+        for (k, v) in by_label(&m, &["mesh_prefill_handoffs_total"], "outcome") {
             one.insert(k, json!(v));
         }
         for (k, v) in by_label(&m, &[GATEWAY_ITL], "le") {
@@ -1013,37 +1043,44 @@ fn compare(runs: &[Value]) -> Value {
         let mut vs = Map::new();
         for other in ["llama-rr", "llama-sticky"] {
             let Some(o) = of(other) else { continue };
-            let (m, l) = (&mesh["summary"], &o["summary"]);
-            let rps = ratio(field(m, "requests_per_s"), field(l, "requests_per_s"));
-            let p95 = ratio(field(m, "ttft_ms.p95"), field(l, "ttft_ms.p95"));
-            let clean = |s: &Value| {
-                field(s, "requests_shed") == Some(0.0) && field(s, "requests_failed") == Some(0.0)
-            };
-            let worst = LATENCIES
-                .iter()
-                .filter_map(|p| ratio(field(m, p), field(l, p)))
-                .reduce(f64::max);
-            vs.insert(
-                other.to_owned(),
-                json!({
-                    "requests_per_s": rps,
-                    "ttft_p50": ratio(field(m, "ttft_ms.p50"), field(l, "ttft_ms.p50")),
-                    "ttft_p95": p95,
-                    "ttft_p99": ratio(field(m, "ttft_ms.p99"), field(l, "ttft_ms.p99")),
-                    "itl_p50": ratio(field(m, "itl_ms.p50"), field(l, "itl_ms.p50")),
-                    "itl_p95": ratio(field(m, "itl_ms.p95"), field(l, "itl_ms.p95")),
-                    "itl_p99": ratio(field(m, "itl_ms.p99"), field(l, "itl_ms.p99")),
-                    "worst_latency": worst,
-                    "never_worse": clean(m) && clean(l) && worst.is_some_and(|w| w <= NEVER_WORSE),
-                    "cpu_s_per_task": ratio(field(m, "replica_cpu_s_per_task"), field(l, "replica_cpu_s_per_task")),
-                    "goal_met": clean(m) && clean(l)
-                        && (rps.is_some_and(|x| x >= 2.0) || p95.is_some_and(|x| x <= 0.5)),
-                }),
-            );
+            vs.insert(other.to_owned(), over(mesh, o));
         }
-        out.push(json!({"load": load, "mesh_over": vs}));
+        let mut row = json!({"load": load, "mesh_over": vs});
+        if let Some(split) = of("mesh-split") {
+            row["mesh_split_over_mesh"] = over(split, mesh);
+        }
+        out.push(row);
     }
     json!(out)
+}
+
+/// Ratios of run `m` to run `l` (their summaries): requests/s, latencies, CPU per task,
+/// and the goals (never worse, 2x). Pure.
+fn over(m: &Value, l: &Value) -> Value {
+    let (m, l) = (&m["summary"], &l["summary"]);
+    let rps = ratio(field(m, "requests_per_s"), field(l, "requests_per_s"));
+    let p95 = ratio(field(m, "ttft_ms.p95"), field(l, "ttft_ms.p95"));
+    let clean = |s: &Value| {
+        field(s, "requests_shed") == Some(0.0) && field(s, "requests_failed") == Some(0.0)
+    };
+    let worst = LATENCIES
+        .iter()
+        .filter_map(|p| ratio(field(m, p), field(l, p)))
+        .reduce(f64::max);
+    json!({
+        "requests_per_s": rps,
+        "ttft_p50": ratio(field(m, "ttft_ms.p50"), field(l, "ttft_ms.p50")),
+        "ttft_p95": p95,
+        "ttft_p99": ratio(field(m, "ttft_ms.p99"), field(l, "ttft_ms.p99")),
+        "itl_p50": ratio(field(m, "itl_ms.p50"), field(l, "itl_ms.p50")),
+        "itl_p95": ratio(field(m, "itl_ms.p95"), field(l, "itl_ms.p95")),
+        "itl_p99": ratio(field(m, "itl_ms.p99"), field(l, "itl_ms.p99")),
+        "worst_latency": worst,
+        "never_worse": clean(m) && clean(l) && worst.is_some_and(|w| w <= NEVER_WORSE),
+        "cpu_s_per_task": ratio(field(m, "replica_cpu_s_per_task"), field(l, "replica_cpu_s_per_task")),
+        "goal_met": clean(m) && clean(l)
+            && (rps.is_some_and(|x| x >= 2.0) || p95.is_some_and(|x| x <= 0.5)),
+    })
 }
 
 /// The run's markdown: one table per load, fleets as columns.
@@ -1139,9 +1176,18 @@ pub(crate) fn table(j: &Value) -> String {
             }
             out.push('\n');
         }
-        for (other, v) in cmp["mesh_over"].as_object().into_iter().flatten() {
+        let split = cmp
+            .get("mesh_split_over_mesh")
+            .map(|v| ("mesh-split".to_owned(), "mesh".to_owned(), v));
+        let pairs = cmp["mesh_over"]
+            .as_object()
+            .into_iter()
+            .flatten()
+            .map(|(other, v)| ("mesh".to_owned(), other.clone(), v))
+            .chain(split);
+        for (this, other, v) in pairs {
             out.push_str(&format!(
-                "\nmesh / {other}: requests/s {}, TTFT p50 {}, p95 {}, p99 {}, inter-token p50 {}, p95 {}, p99 {}, CPU-s per task {}; goal (no shed or failed request, >= 2x requests/s or <= 0.5x TTFT p95): {}; never worse (every latency percentile <= {NEVER_WORSE:.2}x): {}\n",
+                "\n{this} / {other}: requests/s {}, TTFT p50 {}, p95 {}, p99 {}, inter-token p50 {}, p95 {}, p99 {}, CPU-s per task {}; goal (no shed or failed request, >= 2x requests/s or <= 0.5x TTFT p95): {}; never worse (every latency percentile <= {NEVER_WORSE:.2}x): {}\n",
                 f(v["requests_per_s"].as_f64(), 2),
                 f(v["ttft_p50"].as_f64(), 2),
                 f(v["ttft_p95"].as_f64(), 2),
@@ -1739,13 +1785,25 @@ mod tests {
     }
 
     #[test]
+    fn the_split_fleet_is_compared_with_the_mesh_fleet() {
+        let c = compare(&[run("mesh", 4.0), run("mesh-split", 3.0)]);
+        let v = &c[0]["mesh_split_over_mesh"];
+        assert!((v["itl_p99"].as_f64().unwrap() - 0.75).abs() < 1e-9);
+        assert!(compare(&[run("mesh", 4.0)])[0]
+            .get("mesh_split_over_mesh")
+            .is_none());
+    }
+
+    /// A clean run of `fleet` whose inter-token p99 is `itl_p99`.
+    fn run(fleet: &str, itl_p99: f64) -> Value {
+        json!({"load": "L", "fleet": fleet, "summary": {"requests_per_s": 1.0,
+            "ttft_ms": {"p50": 10.0, "p95": 20.0, "p99": 30.0},
+            "itl_ms": {"p50": 1.0, "p95": 2.0, "p99": itl_p99},
+            "requests_shed": 0, "requests_failed": 0}})
+    }
+
+    #[test]
     fn never_worse_fails_on_any_percentile_over_ten_percent() {
-        let run = |fleet: &str, itl_p99: f64| {
-            json!({"load": "L", "fleet": fleet, "summary": {"requests_per_s": 1.0,
-                "ttft_ms": {"p50": 10.0, "p95": 20.0, "p99": 30.0},
-                "itl_ms": {"p50": 1.0, "p95": 2.0, "p99": itl_p99},
-                "requests_shed": 0, "requests_failed": 0}})
-        };
         let c = compare(&[run("mesh", 3.3), run("llama-rr", 3.0)]);
         assert_eq!(c[0]["mesh_over"]["llama-rr"]["never_worse"], true);
         let c = compare(&[run("mesh", 3.4), run("llama-rr", 3.0)]);

@@ -61,7 +61,8 @@ pub struct NodeConfig {
     pub agent: AgentSettings,
     /// The policy tuner (`[tuner]`): state file, probe workload, gate.
     pub tuner: TunerSettings,
-    /// What this node runs (`gateway`, `tiers`, `store`); default `["gateway", "tiers"]`.
+    /// What this node runs (`gateway`, `tiers`, `store`, `prefill`, `decode`); default
+    /// `["gateway", "tiers"]`.
     pub roles: Vec<Role>,
     /// The page store peers demote pages to (the `store` role).
     pub store: StoreSettings,
@@ -223,6 +224,14 @@ pub enum Role {
     Tiers,
     /// Keeps the KV pages peers demote to it (RAM, and disk with `store.dir`).
     Store,
+    /// Hosts the configured tiers for prompts only: decode nodes hand it long prompts to
+    /// prefill and pull the pages it computed. Requests are routed to it for decoding only
+    /// when no other node hosts their tier.
+    Prefill,
+    /// Hosts the configured tiers and hands the prefill of long prompts to a `prefill`
+    /// node (`[cluster] handoff_tokens`, `handoff_max_queue`), then decodes from the pages it
+    /// pulls from it.
+    Decode,
 }
 
 impl Role {
@@ -232,6 +241,8 @@ impl Role {
             Role::Gateway => "gateway",
             Role::Tiers => "tiers",
             Role::Store => "store",
+            Role::Prefill => "prefill",
+            Role::Decode => "decode",
         }
     }
 
@@ -241,7 +252,11 @@ impl Role {
             "gateway" => Ok(Role::Gateway),
             "tiers" => Ok(Role::Tiers),
             "store" => Ok(Role::Store),
-            other => anyhow::bail!("unknown role `{other}` (gateway, tiers, store)"),
+            "prefill" => Ok(Role::Prefill),
+            "decode" => Ok(Role::Decode),
+            other => {
+                anyhow::bail!("unknown role `{other}` (gateway, tiers, store, prefill, decode)")
+            }
         }
     }
 }
@@ -533,6 +548,12 @@ pub struct ClusterSettings {
     pub failure_timeout_ms: u64,
     /// Largest control/call frame accepted from a peer.
     pub max_frame_bytes: usize,
+    /// A `decode` node hands a prompt to a `prefill` node when at least this many of its
+    /// tokens are not held here as pages.
+    pub handoff_tokens: usize,
+    /// A `prefill` node with this many requests waiting for a slot (or more) takes no
+    /// hand-off; the decode node prefills itself.
+    pub handoff_max_queue: u32,
 }
 
 impl Default for ClusterSettings {
@@ -546,6 +567,8 @@ impl Default for ClusterSettings {
             heartbeat_ms: 250,
             failure_timeout_ms: 2000,
             max_frame_bytes: mesh_transport::DEFAULT_MAX_FRAME,
+            handoff_tokens: mesh_actors::routing::Handoff::default().min_tokens,
+            handoff_max_queue: mesh_actors::routing::Handoff::default().max_queue,
         }
     }
 }
@@ -561,6 +584,14 @@ pub fn default_cert_dir() -> PathBuf {
 }
 
 impl ClusterSettings {
+    /// A decode node's hand-off rule (`handoff_tokens`, `handoff_max_queue`).
+    pub fn handoff(&self) -> mesh_actors::routing::Handoff {
+        mesh_actors::routing::Handoff {
+            min_tokens: self.handoff_tokens,
+            max_queue: self.handoff_max_queue,
+        }
+    }
+
     /// The cluster layer's config; `http` is the gateway's bound address.
     pub fn to_cluster_config(&self, http: SocketAddr) -> mesh_actors::ClusterConfig {
         let http_addr = match self.advertise {
@@ -721,11 +752,31 @@ impl NodeConfig {
         self.roles.contains(&role)
     }
 
+    /// Whether this node runs engines: role `tiers`, `prefill` or `decode`.
+    pub fn hosts_tiers(&self) -> bool {
+        [Role::Tiers, Role::Prefill, Role::Decode]
+            .iter()
+            .any(|r| self.has_role(*r))
+    }
+
     /// Checks the whole config before anything starts.
     pub fn validate(&self) -> anyhow::Result<()> {
         anyhow::ensure!(!self.roles.is_empty(), "roles must name at least one role");
+        let engine_roles = [Role::Tiers, Role::Prefill, Role::Decode]
+            .iter()
+            .filter(|r| self.has_role(**r))
+            .count();
         anyhow::ensure!(
-            (self.has_role(Role::Tiers) && !self.tiers.is_empty()) || self.cluster.is_some(),
+            engine_roles <= 1,
+            "roles tiers, prefill and decode exclude each other (tiers both prefills and decodes)"
+        );
+        anyhow::ensure!(
+            !(self.has_role(Role::Prefill) || self.has_role(Role::Decode))
+                || self.cluster.is_some(),
+            "roles prefill and decode need a cluster (`mesh join`)"
+        );
+        anyhow::ensure!(
+            (self.hosts_tiers() && !self.tiers.is_empty()) || self.cluster.is_some(),
             "no tiers configured (only a cluster node may host none and forward everything)"
         );
         if let Some(c) = &self.cluster {
@@ -940,5 +991,19 @@ mod tests {
             .contains("not found"));
         cfg.tiers = vec![];
         assert!(cfg.validate().is_err());
+    }
+
+    #[test]
+    fn prefill_and_decode_roles_exclude_tiers_and_need_a_cluster() {
+        let cfg = |roles: Vec<Role>, cluster: bool| NodeConfig {
+            roles,
+            cluster: cluster.then(ClusterSettings::default),
+            ..NodeConfig::default()
+        };
+        let err = |c: NodeConfig| c.validate().unwrap_err().to_string();
+        assert!(err(cfg(vec![Role::Tiers, Role::Prefill], true)).contains("exclude each other"));
+        assert!(err(cfg(vec![Role::Decode, Role::Prefill], true)).contains("exclude each other"));
+        assert!(err(cfg(vec![Role::Gateway, Role::Decode], false)).contains("need a cluster"));
+        assert!(cfg(vec![Role::Gateway, Role::Decode], true).hosts_tiers());
     }
 }

@@ -415,10 +415,16 @@ struct JoinArgs {
     /// Silence in ms after which a peer is declared dead.
     #[arg(long)]
     failure_timeout_ms: Option<u64>,
+    /// A `decode` node hands a prompt to a `prefill` node when at least this many of its
+    /// tokens are not held here as pages (`[cluster] handoff_tokens`, default 1024).
+    #[arg(long)]
+    handoff_tokens: Option<usize>,
     /// What this node runs (comma-separated): `gateway` (serves clients, routes to peers;
     /// without `tiers` it loads no model and routes tools through a peer's router), `tiers`
     /// (hosts tiers and the router), `store` (keeps pages peers demote to it; with
-    /// `--kv-dir` on disk). Default: gateway,tiers.
+    /// `--kv-dir` on disk), `prefill` (hosts tiers to prefill long prompts that decode nodes
+    /// hand it), `decode` (hosts tiers; hands long prompts' prefill to a prefill node and
+    /// decodes from its pages). Default: gateway,tiers.
     #[arg(long, value_delimiter = ',')]
     roles: Vec<String>,
     #[command(flatten)]
@@ -713,7 +719,7 @@ fn join_config(a: &JoinArgs) -> anyhow::Result<NodeConfig> {
             cfg.store.dir = Some(d.clone());
         }
     }
-    if !cfg.has_role(mesh::config::Role::Tiers) {
+    if !cfg.hosts_tiers() {
         cfg.tiers.clear();
     }
     let mut cs = cfg.cluster.take().unwrap_or_default();
@@ -733,6 +739,9 @@ fn join_config(a: &JoinArgs) -> anyhow::Result<NodeConfig> {
     }
     if let Some(f) = a.failure_timeout_ms {
         cs.failure_timeout_ms = f;
+    }
+    if let Some(t) = a.handoff_tokens {
+        cs.handoff_tokens = t;
     }
     cfg.cluster = Some(cs);
     Ok(cfg)

@@ -851,6 +851,22 @@ impl Collector for NodeCollector {
                 self.dispatcher.get().map_or(0, |d| d.reruns()),
             )],
         )?;
+        let handoffs =
+            |f: fn(&crate::service::dispatch::HandoffCounts) -> &std::sync::atomic::AtomicU64| {
+                self.dispatcher
+                    .get()
+                    .map_or(0, |d| f(&d.split.counts).load(Ordering::Relaxed))
+            };
+        family(
+            &mut enc,
+            "prefill_handoffs",
+            "Prompts this decode node handed to a prefill node: done (it then pulled their pages) or failed (it prefilled them itself)",
+            true,
+            &[
+                (OutcomeLabel { outcome: "done" }, handoffs(|c| &c.done)),
+                (OutcomeLabel { outcome: "failed" }, handoffs(|c| &c.failed)),
+            ],
+        )?;
         if let Some(parts) = self.parts.get() {
             let restarts: Vec<_> = parts
                 .actors

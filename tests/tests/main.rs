@@ -20,4 +20,5 @@ mod quant_reload;
 mod roles;
 mod scaling;
 mod shapes;
+mod split;
 mod upgrade;

@@ -125,7 +125,10 @@ pub fn export_tiers(
                         gen_ai.usage.input_tokens = call.prompt.len(), gen_ai.usage.output_tokens = tracing::field::Empty);
                     let _ = span.set_parent(crate::telemetry::extract_context(&ctx.envelope.trace));
                     if let Some(d) = dispatcher.get() {
-                        prefetch(d, &call.model, &call.prompt, &call.cache_scope)
+                        // 0: no deadline (an hour bounds a prefill hand-off).
+                        let ms = if call.deadline_ms == 0 { 3_600_000 } else { call.deadline_ms };
+                        let deadline = tokio::time::Instant::now() + Duration::from_millis(ms);
+                        prefetch(d, &call.model, &call.prompt, &call.cache_scope, deadline)
                             .instrument(span.clone())
                             .await;
                     }

@@ -16,7 +16,9 @@
 //! What a node runs is its roles (`[roles]`, `mesh join --roles`): `tiers` hosts engines
 //! and the tool router, `gateway` serves clients and routes to whichever node hosts a
 //! tier (a gateway without tiers routes tools through a peer's router), `store` keeps the
-//! pages peers demote to it. Every node has a page-store actor.
+//! pages peers demote to it, `prefill` and `decode` split `tiers` in two: a decode node
+//! hands long prompts to a prefill node and decodes from the pages it pulls from it
+//! (`service::dispatch`). Every node has a page-store actor.
 
 pub mod exports;
 pub mod farmem;
@@ -211,7 +213,7 @@ async fn start_node(
 
     // Placement and far memory shape the tier configs; each tier keeps its pages in the
     // page-store actor under its own name.
-    let mut tiers = if cfg.has_role(Role::Tiers) {
+    let mut tiers = if cfg.hosts_tiers() {
         cfg.tiers.clone()
     } else {
         vec![]
@@ -254,7 +256,7 @@ async fn start_node(
     let governor: Arc<ActorSlot<GovernorMsg>> = Arc::default();
     let tuner_slot: Arc<ActorSlot<TunerMsg>> = Arc::default();
     // The router runs where tiers run; a gateway without tiers routes through a peer's.
-    let router = (cfg.tool_routing.route_above > 0 && cfg.has_role(Role::Tiers))
+    let router = (cfg.tool_routing.route_above > 0 && cfg.hosts_tiers())
         .then(Arc::<ActorSlot<RouterMsg>>::default);
     let mut children = vec![
         ChildSpec::new(
@@ -362,6 +364,16 @@ async fn start_node(
     let (supervisor, supervised) = Actor::spawn(None, NodeSupervisor, children)
         .await
         .map_err(|e| anyhow::anyhow!("starting the node's actors: {e}"))?;
+    // Prefill/decode split: one hand-off count for the gateway's and the peers' dispatchers.
+    let split = service::dispatch::Split {
+        handoff: cfg
+            .cluster
+            .as_ref()
+            .filter(|_| cfg.has_role(Role::Decode))
+            .map(|c| c.handoff()),
+        prefill_only: cfg.has_role(Role::Prefill),
+        counts: Arc::default(),
+    };
     let dispatcher_for_peers: Arc<std::sync::OnceLock<service::dispatch::Dispatcher>> =
         Arc::default();
     let planner_slot: Arc<ActorSlot<PlannerMsg>> = Arc::default();
@@ -424,12 +436,15 @@ async fn start_node(
             ractor::call!(supervisor, |reply| NodeMsg::Adopt(planner, reply))
                 .map_err(|e| anyhow::anyhow!("starting the planner: {e}"))?
                 .map_err(|e| anyhow::anyhow!("starting the planner: {e}"))?;
-            let _ = dispatcher_for_peers.set(service::dispatch::Dispatcher::new(
-                engines.clone(),
-                pages.clone(),
-                Some(c.clone()),
-                Duration::ZERO,
-            ));
+            let _ = dispatcher_for_peers.set(
+                service::dispatch::Dispatcher::new(
+                    engines.clone(),
+                    pages.clone(),
+                    Some(c.clone()),
+                    Duration::ZERO,
+                )
+                .with_split(split.clone()),
+            );
             let hook = c.clone();
             engines.on_change(move || hook.advertise_now());
             if !tiers.is_empty() {
@@ -447,6 +462,7 @@ async fn start_node(
             request_timeout: Duration::from_secs(cfg.request_timeout_s),
             restart_wait: Duration::from_secs(cfg.restart_wait_s),
             tool_routing: cfg.tool_routing.clone(),
+            split: split.clone(),
         },
         engines.clone(),
         pages.clone(),

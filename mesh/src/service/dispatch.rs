@@ -9,6 +9,15 @@
 //! tier and this node does, the request waits for the local engine's restart (bounded by
 //! its deadline) instead of failing: a crashed engine on a single node delays its requests,
 //! it does not drop them.
+//!
+//! **Prefill/decode split** (roles `prefill` and `decode`). A decode node that is to run a
+//! prompt with many tokens it holds no pages for hands the prompt to a `prefill` node
+//! first ([`routing::prefill_peer`] decides, from the prompt's length and the prefill
+//! nodes' queues): that node computes it, one token long, and publishes its pages; the
+//! decode node pulls them over QUIC and decodes from them, so long prompts do not stall
+//! the sequences it is decoding. When the hand-off fails the decode node prefills itself.
+//! Requests are routed to a prefill node for decoding only when no other node hosts the
+//! tier.
 
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::sync::Arc;
@@ -31,6 +40,27 @@ use tracing::warn;
 
 /// Most nodes one request is tried on before the caller gets an error.
 pub const MAX_ATTEMPTS: usize = 4;
+
+/// This node's part in the prefill/decode split (roles `prefill` and `decode`).
+#[derive(Debug, Clone, Default)]
+pub struct Split {
+    /// A decode node: hands long prompts to prefill nodes under this rule.
+    pub handoff: Option<routing::Handoff>,
+    /// A prefill node: requests are routed here for decoding only when no other node
+    /// hosts their tier.
+    pub prefill_only: bool,
+    /// Hand-offs made and failed, shared by the node's dispatchers.
+    pub counts: Arc<HandoffCounts>,
+}
+
+/// Prompts a decode node handed to prefill nodes (`mesh_prefill_handoffs_total`).
+#[derive(Debug, Default)]
+pub struct HandoffCounts {
+    /// Prefilled there; the decode node then pulled the pages.
+    pub done: AtomicU64,
+    /// The prefill node failed or refused; the decode node prefilled itself.
+    pub failed: AtomicU64,
+}
 
 /// Where a request runs.
 #[derive(Debug, Clone)]
@@ -130,6 +160,8 @@ pub struct Dispatcher {
     pub cluster: Option<Cluster>,
     /// Longest a request waits for this node's restarting engine.
     pub restart_wait: Duration,
+    /// This node's part in the prefill/decode split.
+    pub split: Split,
     /// Requests re-run after the engine or node serving them failed (shared by clones).
     reruns: Arc<AtomicU64>,
 }
@@ -147,8 +179,15 @@ impl Dispatcher {
             pages,
             cluster,
             restart_wait,
+            split: Split::default(),
             reruns: Arc::default(),
         }
+    }
+
+    /// The same dispatcher playing `split`'s part in the prefill/decode split.
+    pub fn with_split(mut self, split: Split) -> Self {
+        self.split = split;
+        self
     }
 
     /// Requests this dispatcher re-ran (on a peer, or on this node's restarted engine)
@@ -190,6 +229,15 @@ impl Dispatcher {
         }
         if let Some(c) = &self.cluster {
             cands.extend(c.candidates(model));
+            // Prefill nodes decode only when no other node hosts the tier.
+            let prefill = c.peers_in_role(crate::config::Role::Prefill.as_str());
+            routing::decoders(&mut cands, |x| {
+                if x.local {
+                    self.split.prefill_only
+                } else {
+                    prefill.contains(&x.node)
+                }
+            });
         }
         (cands, local)
     }
@@ -375,7 +423,7 @@ impl Dispatcher {
     ) -> Result<(Source, Option<InflightGuard>), StartError> {
         match target {
             Target::Local(e) => {
-                prefetch(self, model, &req.prompt, &req.cache_scope).await;
+                prefetch(self, model, &req.prompt, &req.cache_scope, deadline).await;
                 let req = req.clone();
                 match ractor::call!(e.actor, |reply| TierMsg::Generate { req, reply }) {
                     Ok(Ok(rx)) => Ok((Source::Local(rx), None)),
@@ -546,14 +594,21 @@ impl Dispatcher {
 }
 
 /// Pulls the leading prefix pages of `prompt` that this node lacks from the live peer
-/// advertising the longest run of them; returns how many pages were stored. Fetched pages are
-/// checked against their ids and salt by the store before they are kept. Traced as
-/// `kv.lookup`: pages of the prompt, how many are local, how many were pulled and from
-/// which peer.
+/// advertising the longest run of them; returns how many pages were stored. On a decode
+/// node a long prompt is first handed to a prefill node ([`hand_off`]), and its pages are
+/// pulled from there. Fetched pages are checked against their ids and salt by the store
+/// before they are kept. Traced as `kv.lookup`: pages of the prompt, how many are local,
+/// how many were pulled and from which peer.
 #[tracing::instrument(name = "kv.lookup", skip_all, fields(gen_ai.request.model = %model,
     mesh.kv.pages = tracing::field::Empty, mesh.kv.pages_local = tracing::field::Empty,
     mesh.kv.pages_pulled = tracing::field::Empty, mesh.kv.peer = tracing::field::Empty))]
-pub async fn prefetch(d: &Dispatcher, model: &str, prompt: &[i32], scope: &str) -> usize {
+pub async fn prefetch(
+    d: &Dispatcher,
+    model: &str,
+    prompt: &[i32],
+    scope: &str,
+    deadline: Instant,
+) -> usize {
     let Some(cluster) = d.cluster.as_ref() else {
         return 0;
     };
@@ -571,11 +626,32 @@ pub async fn prefetch(d: &Dispatcher, model: &str, prompt: &[i32], scope: &str) 
     }
     // Peers serving the tier, and store nodes keeping its pages.
     let short: Vec<u64> = ids.iter().map(PageId::short).collect();
-    let best = cluster
-        .prefix_runs(model, &pages.base.0, pages.block as u32, &short)
-        .into_iter()
-        .filter(|(_, run)| *run > local)
-        .max_by_key(|(_, run)| *run);
+    let runs = cluster.prefix_runs(model, &pages.base.0, pages.block as u32, &short);
+    let handed = match &d.split.handoff {
+        Some(h) => {
+            let cached_here = local * pages.block;
+            hand_off(
+                d,
+                cluster,
+                h,
+                model,
+                prompt,
+                scope,
+                cached_here,
+                &runs,
+                pages.block,
+                deadline,
+            )
+            .await
+        }
+        None => None,
+    };
+    // The prefill node holds the whole prompt now, whatever its index entry says yet.
+    let best = handed.map(|node| (node, ids.len())).or_else(|| {
+        runs.into_iter()
+            .filter(|(_, run)| *run > local)
+            .max_by_key(|(_, run)| *run)
+    });
     let Some((node, run)) = best else { return 0 };
     span.record("mesh.kv.peer", node.as_str());
     let want: Vec<[u8; 32]> = ids[local..run].iter().map(|i| i.0).collect();
@@ -614,6 +690,93 @@ pub async fn prefetch(d: &Dispatcher, model: &str, prompt: &[i32], scope: &str) 
         Err(e) => {
             warn!(%node, tier = %model, error = %e, "pulling prefix pages failed; prefilling instead");
             0
+        }
+    }
+}
+
+/// A decode node's hand-off: when [`routing::prefill_peer`] picks a prefill node for this
+/// prompt (`cached_here` of its tokens are pages here; `runs` are the peers' indexed
+/// prefix runs, in pages of `block` tokens), runs the prompt there for one token, which
+/// stores its pages on that node before the call ends. Returns the node; `None` when the
+/// prompt stays here or the prefill node failed (counted, logged: this node prefills).
+///
+/// Cancel safety: cancel-safe (dropping it cancels the call on the prefill node).
+#[allow(clippy::too_many_arguments)]
+#[tracing::instrument(name = "kv.handoff", skip_all, fields(gen_ai.request.model = %model,
+    mesh.prefill.node = tracing::field::Empty, mesh.prefill.tokens = prompt.len()))]
+async fn hand_off(
+    d: &Dispatcher,
+    cluster: &Cluster,
+    h: &routing::Handoff,
+    model: &str,
+    prompt: &[i32],
+    scope: &str,
+    cached_here: usize,
+    runs: &[(String, usize)],
+    block: usize,
+    deadline: Instant,
+) -> Option<String> {
+    let prefill = cluster.peers_in_role(crate::config::Role::Prefill.as_str());
+    if prefill.is_empty() {
+        return None;
+    }
+    let peers: Vec<Candidate> = cluster
+        .candidates(model)
+        .into_iter()
+        .filter(|c| prefill.contains(&c.node))
+        .map(|mut c| {
+            c.prompt_tokens = prompt.len() as u32;
+            c.cached_tokens = runs
+                .iter()
+                .find(|(n, _)| *n == c.node)
+                .map_or(0, |(_, run)| (run * block) as u32);
+            c
+        })
+        .collect();
+    let node = routing::prefill_peer(h, prompt.len(), cached_here, &peers)?
+        .node
+        .clone();
+    tracing::Span::current().record("mesh.prefill.node", node.as_str());
+    let req = GenerateRequest {
+        prompt: prompt.to_vec(),
+        max_tokens: 1,
+        cache_scope: scope.to_owned(),
+        request_id: "prefill-handoff".into(),
+        ..GenerateRequest::default()
+    };
+    let left = deadline.saturating_duration_since(Instant::now());
+    let call = tier_wire::to_call(model, &req, left, "", crate::telemetry::inject_context());
+    let _inflight = cluster.track(&node, model);
+    let run = async {
+        let mut rx = cluster
+            .generate(&node, call)
+            .await
+            .map_err(|e| e.to_string())?;
+        loop {
+            match rx.recv().await {
+                Some(Ok(Event::Done { .. })) => return Ok(()),
+                Some(Ok(Event::Error(e))) => return Err(e),
+                Some(Ok(_)) => {}
+                Some(Err(e)) => return Err(e.to_string()),
+                None => return Err("the prefill node's stream ended early".to_owned()),
+            }
+        }
+    };
+    let counts = &d.split.counts;
+    match tokio::time::timeout_at(deadline, run).await {
+        Ok(Ok(())) => {
+            counts.done.fetch_add(1, Relaxed);
+            Some(node)
+        }
+        Ok(Err(e)) => {
+            counts.failed.fetch_add(1, Relaxed);
+            warn!(%node, tier = %model, error = %e, "prefill hand-off failed; prefilling here");
+            None
+        }
+        Err(_) => {
+            counts.failed.fetch_add(1, Relaxed);
+            warn!(%node, tier = %model, "prefill hand-off ran past the deadline; prefilling here");
+            None
         }
     }
 }

@@ -72,6 +72,8 @@ pub struct Settings {
     pub restart_wait: Duration,
     /// Tool routing for requests with many tools.
     pub tool_routing: ToolRouting,
+    /// This node's part in the prefill/decode split.
+    pub split: dispatch::Split,
 }
 
 /// The actors the service talks to, through their supervisors' slots (each call reaches
@@ -134,12 +136,10 @@ impl Service {
         policy: Arc<policy::LivePolicy>,
         actors: Actors,
     ) -> Self {
-        let dispatcher = Arc::new(dispatch::Dispatcher::new(
-            engines,
-            pages,
-            cluster,
-            settings.restart_wait,
-        ));
+        let dispatcher = Arc::new(
+            dispatch::Dispatcher::new(engines, pages, cluster, settings.restart_wait)
+                .with_split(settings.split.clone()),
+        );
         metrics.watch_dispatcher(dispatcher.clone());
         Self {
             inner: Arc::new(Inner {
