@@ -124,6 +124,23 @@ if ((${#missing[@]})); then
 else
     say "apt: all ${#APT_PACKAGES[@]} packages present"
 fi
+# bookworm's main archive has rustc-web 1.85; 1.96 comes from bookworm-security and
+# bookworm-updates, which a minimal root (debootstrap) lacks. Upgrade it when the sources
+# have it; else say so now, not after the build.
+if ((ARM64)); then
+    need=$(sed -n 's/^rust-version = "\(.*\)"/\1/p' "$ROOT/Cargo.toml" | head -1)
+    rust_ok() {
+        have=$(/usr/bin/rustc --version | awk '{print $2}')
+        printf '%s\n%s\n' "$need" "$have" | sort -V -C
+    }
+    if ! rust_ok; then
+        say "apt: rustc-web $have is older than $need; upgrading it if the sources have a newer one"
+        $([[ $EUID -eq 0 ]] || echo sudo) apt-get update -qq
+        $([[ $EUID -eq 0 ]] || echo sudo) apt-get install -y -qq --no-install-recommends \
+            rustc-web cargo-web libstd-rust-web-dev:arm64 >/dev/null
+    fi
+    rust_ok || die "Debian's rustc-web is $have; the arm64 build needs $need or newer. It comes from bookworm-security and bookworm-updates: add them to the apt sources (e.g. 'deb http://deb.debian.org/debian-security bookworm-security main' in /etc/apt/sources.list), then run this again"
+fi
 
 # ---------------------------------------------------------------- Rust toolchain
 # A rustup toolchain comes first, also when Debian's cargo-web (--arm64) is in /usr/bin.
