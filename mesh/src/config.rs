@@ -549,7 +549,7 @@ pub struct ClusterSettings {
     /// Largest control/call frame accepted from a peer.
     pub max_frame_bytes: usize,
     /// A `decode` node hands a prompt to a `prefill` node when at least this many of its
-    /// tokens are not held here as pages.
+    /// tokens are not pages here or on a peer.
     pub handoff_tokens: usize,
     /// A `prefill` node with this many requests waiting for a slot (or more) takes no
     /// hand-off; the decode node prefills itself.

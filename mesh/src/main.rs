@@ -416,7 +416,7 @@ struct JoinArgs {
     #[arg(long)]
     failure_timeout_ms: Option<u64>,
     /// A `decode` node hands a prompt to a `prefill` node when at least this many of its
-    /// tokens are not held here as pages (`[cluster] handoff_tokens`, default 1024).
+    /// tokens are not pages here or on a peer (`[cluster] handoff_tokens`, default 1024).
     #[arg(long)]
     handoff_tokens: Option<usize>,
     /// What this node runs (comma-separated): `gateway` (serves clients, routes to peers;

@@ -11,7 +11,7 @@
 //! it does not drop them.
 //!
 //! **Prefill/decode split** (roles `prefill` and `decode`). A decode node that is to run a
-//! prompt with many tokens it holds no pages for hands the prompt to a `prefill` node
+//! prompt with many tokens that neither it nor a peer holds as pages hands the prompt to a `prefill` node
 //! first ([`routing::prefill_peer`] decides, from the prompt's length and the prefill
 //! nodes' queues): that node computes it, one token long, and publishes its pages; the
 //! decode node pulls them over QUIC and decodes from them, so long prompts do not stall
@@ -629,7 +629,9 @@ pub async fn prefetch(
     let runs = cluster.prefix_runs(model, &pages.base.0, pages.block as u32, &short);
     let handed = match &d.split.handoff {
         Some(h) => {
-            let cached_here = local * pages.block;
+            // Pages a peer already holds need only a pull, not a prefill anywhere.
+            let pullable = runs.iter().map(|(_, run)| *run).max().unwrap_or(0);
+            let cached_here = local.max(pullable) * pages.block;
             hand_off(
                 d,
                 cluster,
@@ -695,7 +697,7 @@ pub async fn prefetch(
 }
 
 /// A decode node's hand-off: when [`routing::prefill_peer`] picks a prefill node for this
-/// prompt (`cached_here` of its tokens are pages here; `runs` are the peers' indexed
+/// prompt (`cached_here` of its tokens are pages here or on a peer; `runs` are the peers' indexed
 /// prefix runs, in pages of `block` tokens), runs the prompt there for one token, which
 /// stores its pages on that node before the call ends. Returns the node; `None` when the
 /// prompt stays here or the prefill node failed (counted, logged: this node prefills).
